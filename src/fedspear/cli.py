@@ -1,0 +1,173 @@
+"""``fedspear`` command line.
+
+    fedspear run                                  # the embedded defaults: ARC-Challenge, packaged SmolLM2-135M
+    fedspear run --config my.toml --rounds 20     # a TOML file holding any keys, flags override it
+    fedspear run --output-dir runs/x              # re-running into the same directory resumes
+
+Every bad input (unknown task, malformed value, missing model or data file, malformed record) ends with exit
+code 2 and one line naming the field or file.
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+import time
+from pathlib import Path
+from typing import Optional
+
+import typer
+
+from .config import ConfigError, RunConfig, load_config
+
+app = typer.Typer(add_completion=False, no_args_is_help=True, help="Online federated fine-tuning from feedback (SPEAR).")
+
+
+@app.callback()
+def _root() -> None:
+    """fedspear: SPEAR on Flower."""
+
+
+def _fail(message: str) -> None:
+    typer.secho(f"error: {message}", fg="red", err=True)
+    raise typer.Exit(code=2)
+
+
+def _parse_set(items: list[str]) -> dict:
+    """``key=value`` pairs; values parsed as TOML scalars (numbers, booleans, quoted or bare strings)."""
+    import tomllib
+
+    out = {}
+    for item in items:
+        if "=" not in item:
+            _fail(f"--set expects key=value, got {item!r}")
+        key, raw = item.split("=", 1)
+        try:
+            out[key.strip().replace("-", "_")] = tomllib.loads(f"v = {raw}")["v"]
+        except tomllib.TOMLDecodeError:
+            out[key.strip().replace("-", "_")] = raw
+    return out
+
+
+def preflight(cfg: RunConfig) -> None:
+    """Check in this process, before any engine starts, that the task data and the model can be found.
+
+    Raises:
+        DataError / ModelError / ValueError: with a message naming the file or model.
+    """
+    from .model import TINY_MODEL, resolve_model_dir
+    from .tasks import get_task
+
+    task = get_task(cfg.task)
+    if cfg.data_dir and not Path(cfg.data_dir).is_dir():
+        raise ConfigError(f"data_dir: {cfg.data_dir} is not a directory")
+    train = task.load(task.TRAIN_SPLIT, data_dir=cfg.data_dir, source=cfg.data_source)
+    task.load(task.EVAL_SPLIT, data_dir=cfg.data_dir, source=cfg.data_source)
+    n = min(len(train), cfg.train_size) if cfg.train_size else len(train)
+    if n < cfg.num_clients:
+        raise ConfigError(f"num_clients = {cfg.num_clients} exceeds the {n} train examples")
+    if cfg.model != TINY_MODEL:
+        resolve_model_dir(cfg.model)
+
+
+@app.command()
+def run(
+    config: Optional[Path] = typer.Option(None, "--config", "-c", help="TOML file with any run keys"),
+    task: Optional[str] = typer.Option(None, help="arc_challenge | hellaswag | strategy_qa | math_mcqa"),
+    rounds: Optional[int] = typer.Option(None, help="FL rounds"),
+    clients: Optional[int] = typer.Option(None, "--clients", help="number of simulated clients"),
+    clients_per_round: Optional[int] = typer.Option(None, help="clients sampled per round"),
+    rollouts_per_round: Optional[int] = typer.Option(None, help="prompts per client-round"),
+    max_revisions: Optional[int] = typer.Option(None, help="N, revisions per wrong answer"),
+    mu: Optional[float] = typer.Option(None, help="μ, unlikelihood confidence gate"),
+    tau: Optional[int] = typer.Option(None, help="τ, tail tokens (0 = all)"),
+    lambda_w: Optional[float] = typer.Option(None, help="λ_w, win NLL weight"),
+    lambda_l: Optional[float] = typer.Option(None, help="λ_l, unlikelihood weight"),
+    lr: Optional[float] = typer.Option(None, help="peak learning rate"),
+    model: Optional[str] = typer.Option(None, help="packaged name, local folder or hub id"),
+    dtype: Optional[str] = typer.Option(None, help="auto | bf16 | fp32"),
+    seed: Optional[int] = typer.Option(None, help="random seed"),
+    eval_size: Optional[int] = typer.Option(None, help="held-out items to evaluate (0 = all)"),
+    train_size: Optional[int] = typer.Option(None, help="train items to partition (0 = all)"),
+    data_dir: Optional[str] = typer.Option(None, help="folder with full offline data copies"),
+    output_dir: Optional[str] = typer.Option(None, "--output-dir", "-o", help="run directory (resumes if present)"),
+    set_: list[str] = typer.Option([], "--set", help="any other key: --set local_steps=10"),
+    verbose: bool = typer.Option(False, "--verbose", "-v", help="show Flower and Ray logs"),
+) -> None:
+    """Run (or resume) a SPEAR federation on Flower's simulation engine and write a report."""
+    from .model import ModelError
+    from .tasks.base import DataError
+
+    overrides = dict(task=task, rounds=rounds, num_clients=clients, clients_per_round=clients_per_round,
+                     rollouts_per_round=rollouts_per_round, max_revisions=max_revisions, mu=mu, tau=tau,
+                     lambda_w=lambda_w, lambda_l=lambda_l, lr=lr, model=model, dtype=dtype, seed=seed,
+                     eval_size=eval_size, train_size=train_size, data_dir=data_dir, output_dir=output_dir)
+    overrides.update(_parse_set(set_))
+    logging.basicConfig(level=logging.INFO if verbose else logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    try:
+        cfg = load_config(config, **overrides)
+        preflight(cfg)
+    except (ConfigError, DataError, ModelError, ValueError) as err:
+        _fail(str(err))
+    _run(cfg, verbose)
+
+
+def _run(cfg: RunConfig, verbose: bool) -> None:
+    from rich.console import Console
+    from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
+
+    from .model import ModelError, resolve_dtype
+    from .rundir import RunDir
+    from .tasks.base import DataError
+
+    console = Console(stderr=True)
+    resolved = cfg.resolved()
+    done = RunDir(cfg.output_dir).last_round()
+    console.print(
+        f"[bold]fedspear[/] {cfg.task} · model {cfg.model} · dtype {resolve_dtype(cfg.dtype)} · "
+        f"{cfg.rounds} rounds · {cfg.num_clients} clients ({cfg.clients_per_round}/round) · "
+        f"{cfg.rollouts_per_round} rollouts · N={cfg.max_revisions} · μ={cfg.mu} τ={resolved.tau} "
+        f"λ_w={cfg.lambda_w} λ_l={cfg.lambda_l} · seed {cfg.seed} → {cfg.output_dir}"
+        + (f" (resuming after round {done})" if done is not None else "")
+    )
+    start = time.perf_counter()
+    with Progress(TextColumn("{task.description}"), BarColumn(), TextColumn("{task.completed}/{task.total} rounds"),
+                  TimeElapsedColumn(), console=console, transient=False) as progress:
+        bar = progress.add_task("federated rounds", total=cfg.rounds, completed=done or 0)
+
+        def on_round(record: dict) -> None:
+            ev = record.get("eval") or {}
+            acc = " ".join(f"{k} {ev[k]:.3f}" for k in ("acc_gen", "acc_ll") if k in ev)
+            if record["round"] == 0:
+                progress.console.print(f"round 0 (before training): {acc}  [{ev.get('n', 0)} held-out items]")
+                return
+            progress.console.print(
+                f"round {record['round']}: wins {record['wins']} losses {record['losses']} revisions "
+                f"{record['revisions_successful']}/{record['revisions_attempted']} initial acc "
+                f"{(record['initial_accuracy'] or 0):.2f}  {acc}  ({record['seconds']['round']:.0f} s)"
+            )
+            progress.update(bar, completed=record["round"])
+
+        from .fl.simulation import simulate
+
+        try:
+            simulate(cfg, on_round=on_round, verbose=verbose)
+        except (ConfigError, DataError, ModelError) as err:
+            _fail(str(err))
+    records = RunDir(cfg.output_dir).records()
+    first = next(r for r in records if r["round"] == 0)["eval"]
+    last = next(r for r in reversed(records) if r.get("eval"))
+    def show(ev: dict) -> str:
+        return ", ".join(f"{name} {ev[k]:.3f} [{ev[k + '_low']:.3f}, {ev[k + '_high']:.3f}]"
+                         for k, name in (("acc_gen", "generation"), ("acc_ll", "log-likelihood")) if k in ev)
+    print(f"round-0 accuracy: {show(first)} (n={first['n']})")
+    print(f"final accuracy (round {last['round']}): {show(last['eval'])} (n={last['eval']['n']})")
+    print(f"report: {Path(cfg.output_dir) / 'report.md'}  ({time.perf_counter() - start:.0f} s this invocation)")
+
+
+def main() -> None:  # pragma: no cover - console entry
+    app()
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(app())

@@ -1,0 +1,127 @@
+"""One client's round of SPEAR without any federated engine: set adapter → interaction → local training → copy out.
+
+``fedspear.fl.client_app`` only unpacks Flower messages, calls ``Worker.round`` and packs the reply; this module
+never imports ``flwr``. A ``Worker`` holds the base model for the life of its process (one per simulation actor or
+per SuperNode), so rounds never reload weights.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import random
+import resource
+from dataclasses import dataclass
+from typing import Sequence
+
+import numpy as np
+
+from .config import RunConfig
+from .feedback import FeedbackSource, OracleFeedback
+from .interaction import interact
+from .model import LoraSettings, add_lora, get_adapter, load_base, set_adapter
+from .tasks import get_task
+from .tasks.base import Example
+from .training import TrainSettings, local_train
+
+log = logging.getLogger(__name__)
+
+
+def derived_seed(*parts: object) -> int:
+    """A stable 31-bit seed from any parts (same inputs → same seed across processes and runs)."""
+    digest = hashlib.sha256(":".join(map(str, parts)).encode()).digest()
+    return int.from_bytes(digest[:4], "little") & 0x7FFFFFFF
+
+
+def load_train_examples(cfg: RunConfig) -> list[Example]:
+    """The task's train split (first ``train_size`` items when set), as every client sees it before partitioning."""
+    task = get_task(cfg.task)
+    examples = task.load(task.TRAIN_SPLIT, data_dir=cfg.data_dir, source=cfg.data_source)
+    return examples[: cfg.train_size] if cfg.train_size else examples
+
+
+def round_prompts(partition: Sequence[int], cfg: RunConfig, partition_id: int, server_round: int) -> list[int]:
+    """The ``rollouts_per_round`` indices a client answers in ``server_round``: its private stream.
+
+    The stream is a seeded permutation of the client's partition, read in order round after round and wrapping
+    around (an evolving stream of prompts, SPEC §1). Empty partition → empty list.
+    """
+    if not partition:
+        return []
+    order = list(partition)
+    random.Random(derived_seed(cfg.seed, "stream", partition_id)).shuffle(order)
+    start = (server_round - 1) * cfg.rollouts_per_round
+    return [order[(start + i) % len(order)] for i in range(cfg.rollouts_per_round)]
+
+
+def peak_rss_mb() -> float:
+    """Peak resident memory of this process so far (MiB; Linux ``ru_maxrss`` is in KiB)."""
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+@dataclass
+class Worker:
+    """The base model with its LoRA adapter, the tokenizer and the train data, loaded once per process."""
+
+    cfg: RunConfig
+    model: object
+    tokenizer: object
+    dtype_used: str
+    examples: list[Example]
+
+    @classmethod
+    def load(cls, cfg: RunConfig) -> "Worker":
+        cfg = cfg.resolved()
+        base, tokenizer, dtype_used = load_base(cfg.model, cfg.dtype)
+        lora = LoraSettings(cfg.lora_r, cfg.lora_alpha, cfg.lora_dropout, cfg.last_layers)
+        model = add_lora(base, lora, seed=cfg.seed)
+        return cls(cfg, model, tokenizer, dtype_used, load_train_examples(cfg))
+
+    def compatible(self, cfg: RunConfig) -> bool:
+        """Whether this worker's model can serve ``cfg`` (same model, dtype, LoRA shape, task and data)."""
+        keys = ("model", "dtype", "lora_r", "lora_alpha", "lora_dropout", "last_layers", "task", "data_dir",
+                "data_source", "train_size", "seed")
+        return all(getattr(self.cfg, k) == getattr(cfg, k) for k in keys)
+
+    def train_settings(self) -> TrainSettings:
+        c = self.cfg
+        return TrainSettings(c.local_steps, c.batch_size, c.grad_accum, c.lambda_w, c.lambda_l, c.mu, c.tau,
+                             c.normalization, c.max_lose_ratio)
+
+    def round(
+        self,
+        global_arrays: dict[str, np.ndarray],
+        partition: Sequence[int],
+        partition_id: int,
+        server_round: int,
+        lr: float,
+        feedback_source: FeedbackSource | None = None,
+    ) -> tuple[dict[str, np.ndarray], dict[str, float]]:
+        """Run SPEAR on this client for one round (paper Alg. 1).
+
+        Args:
+            global_arrays: the broadcast LoRA tensors θ^(t) (name → array).
+            partition: indices of this client's train examples.
+            lr: learning rate for this round (the server's schedule).
+            feedback_source: who judges answers (default: the dataset oracle of SPEC §2).
+        Returns:
+            ``(adapter copy, metrics)``; metrics hold ``num-wins`` (the aggregation weight), ``num-losses`` and the
+            counters of SPEC §6.
+        """
+        cfg, task = self.cfg, get_task(self.cfg.task)
+        set_adapter(self.model, global_arrays)
+        examples = [self.examples[i] for i in round_prompts(partition, cfg, partition_id, server_round)]
+        seed = derived_seed(cfg.seed, "client-round", partition_id, server_round)
+        result = interact(
+            self.model, self.tokenizer, examples, task, feedback_source or OracleFeedback(task),
+            max_revisions=cfg.max_revisions, max_new_tokens=cfg.max_new_tokens, temperature=cfg.temperature,
+            top_p=cfg.top_p, dtype_used=self.dtype_used, seed=seed,
+        )
+        stats = local_train(self.model, self.tokenizer, result.wins, result.losses, self.train_settings(),
+                            lr=lr, dtype_used=self.dtype_used, seed=seed)
+        metrics: dict[str, float] = {"num-wins": len(result.wins), "num-losses": len(result.losses)}
+        metrics.update(result.counters)
+        metrics.update(stats)
+        metrics["partition-size"] = len(partition)
+        metrics["peak_rss_mb"] = peak_rss_mb()
+        return get_adapter(self.model), metrics

@@ -1,0 +1,175 @@
+"""The run configuration: one flat, typed, validated dataclass, loadable from TOML and the CLI.
+
+Run the embedded defaults (what ``make run`` does)::
+
+    fedspear run --output-dir runs/default
+
+Defaults follow the paper's appendix table "Hyperparameter Settings (SPEAR)" (Qwen2.5-1.5B, ARC-Challenge) where
+the work fits this 2-core CPU, and are scaled down where it does not; each departure is marked *CPU default*.
+Task-dependent values left as ``None`` (τ, max new tokens, max lose ratio) take the task's value
+(``resolve()``). Every key is checked on construction; an error names the key, the value and the allowed range.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import tomllib
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+from typing import Any
+
+from .tasks import TASKS, get_task
+
+# τ per task from the paper's appendix table (Math 32, ARC 0, StrategyQA 24, HellaSwag 0).
+PAPER_TAU = {"math_mcqa": 32, "arc_challenge": 0, "strategy_qa": 24, "hellaswag": 0}
+
+
+class ConfigError(ValueError):
+    """A configuration key is unknown or its value is out of range. The message names the key and the range."""
+
+
+def _meta(help: str, **check) -> dict:
+    return {"help": help, **check}
+
+
+@dataclass
+class RunConfig:
+    """Every setting of a ``fedspear run`` (flat keys; TOML files and CLI flags use the same names)."""
+
+    # what to learn
+    task: str = field(default="arc_challenge", metadata=_meta("benchmark: " + ", ".join(sorted(TASKS)), choices=sorted(TASKS)))
+    model: str = field(default="smollm2-135m", metadata=_meta("packaged model name, local HF folder or hub id"))
+    dtype: str = field(default="auto", metadata=_meta("auto (bf16 where the CPU supports it), bf16 or fp32", choices=["auto", "bf16", "fp32"]))
+    seed: int = field(default=0, metadata=_meta("seed for partition, client sampling, generation and training", min=0))
+    # federation
+    rounds: int = field(default=4, metadata=_meta("FL rounds (paper 100 for ARC; CPU default 4)", min=1, max=100000))
+    num_clients: int = field(default=10, metadata=_meta("simulated clients (paper 50; CPU default 10)", min=1, max=10000))
+    clients_per_round: int = field(default=2, metadata=_meta("clients sampled each round (paper 3 for ARC; CPU default 2)", min=1))
+    dirichlet_alpha: float = field(default=1.0, metadata=_meta("Dirichlet α of the label split (paper 1.0)", gt=0))
+    # interaction (SPEC §2)
+    rollouts_per_round: int = field(default=16, metadata=_meta("prompts each client answers per round (CPU default 16)", min=1))
+    max_revisions: int = field(default=2, metadata=_meta("N, revision attempts per wrong answer (paper 2)", min=0, max=10))
+    temperature: float = field(default=0.8, metadata=_meta("sampling temperature (paper 0.8)", gt=0, max=5))
+    top_p: float = field(default=0.95, metadata=_meta("nucleus sampling p", gt=0, max=1))
+    max_new_tokens: int | None = field(default=None, metadata=_meta("tokens per attempt (None: the task's default)", min=1, max=4096))
+    # local training (SPEC §3)
+    mu: float = field(default=0.3, metadata=_meta("μ, unlikelihood confidence gate (paper 0.3)", gt=0, lt=1))
+    tau: int | None = field(default=None, metadata=_meta("τ, tail tokens (0 = whole completion; None: paper value per task)", min=0))
+    lambda_w: float = field(default=1.0, metadata=_meta("λ_w, win NLL weight (paper 1.0)", min=0))
+    lambda_l: float = field(default=0.1, metadata=_meta("λ_l, unlikelihood weight (paper 0.1)", min=0))
+    normalization: str = field(default="token", metadata=_meta("loss normalisation (SPEC §3)", choices=["token", "sequence"]))
+    lr: float = field(default=2e-4, metadata=_meta("peak learning rate (paper 5e-5 for ARC over 100 rounds; CPU default 2e-4 for 4 rounds)", gt=0, max=1))
+    lr_min: float = field(default=1e-5, metadata=_meta("cosine floor (paper 1e-5)", min=0, max=1))
+    warmup_ratio: float = field(default=0.1, metadata=_meta("share of rounds with linear warm-up (paper 0.1)", min=0, max=1))
+    local_steps: int = field(default=2, metadata=_meta("local optimiser steps per round (paper 5 for ARC; CPU default 2)", min=1))
+    batch_size: int = field(default=4, metadata=_meta("traces per win batch and per lose batch (paper 16; CPU default 4)", min=1))
+    grad_accum: int = field(default=1, metadata=_meta("gradient accumulation micro-batches (paper 1 for ARC)", min=1))
+    max_lose_ratio: int | None = field(default=None, metadata=_meta("cap |L| ≤ ratio·|W| (None: 2 ARC/HellaSwag, 4 Math/StrategyQA)", min=0))
+    lora_r: int = field(default=16, metadata=_meta("LoRA rank (paper 16)", min=1, max=1024))
+    lora_alpha: int = field(default=32, metadata=_meta("LoRA α (paper 32)", min=1))
+    lora_dropout: float = field(default=0.1, metadata=_meta("LoRA dropout (paper 0.1)", min=0, lt=1))
+    last_layers: int = field(default=0, metadata=_meta("adapt only the last H layers (0 = all)", min=0))
+    # evaluation (SPEC §6)
+    eval_every: int = field(default=2, metadata=_meta("evaluate every k rounds (and at round 0 and the last)", min=1))
+    eval_size: int = field(default=100, metadata=_meta("held-out items evaluated (0 = the whole split; CPU default 100)", min=0))
+    eval_generation: bool = field(default=True, metadata=_meta("also measure greedy-generation accuracy"))
+    # data and output
+    train_size: int = field(default=0, metadata=_meta("train items partitioned over clients (0 = the whole split)", min=0))
+    data_dir: str | None = field(default=None, metadata=_meta("folder with full offline copies (laid out like shared/data)"))
+    data_source: str = field(default="offline", metadata=_meta("offline (shipped / data_dir) or hub", choices=["offline", "hub"]))
+    output_dir: str = field(default="runs/default", metadata=_meta("run directory (re-running into it resumes)"))
+    round_timeout: float = field(default=3600.0, metadata=_meta("seconds the server waits for a round's replies", gt=0))
+
+    def __post_init__(self) -> None:
+        for f in fields(self):
+            _check(f, getattr(self, f.name))
+        if self.clients_per_round > self.num_clients:
+            raise ConfigError(
+                f"clients_per_round = {self.clients_per_round} exceeds num_clients = {self.num_clients}"
+            )
+        if self.lr_min > self.lr:
+            raise ConfigError(f"lr_min = {self.lr_min} exceeds lr = {self.lr}")
+
+    # -- derived values -------------------------------------------------------------------------------------------
+    def resolved(self) -> "RunConfig":
+        """A copy with task-dependent ``None`` values filled in (τ, max new tokens, max lose ratio)."""
+        task = get_task(self.task)
+        return dataclasses.replace(
+            self,
+            tau=PAPER_TAU[self.task] if self.tau is None else self.tau,
+            max_new_tokens=self.max_new_tokens or task.MAX_NEW_TOKENS,
+            max_lose_ratio=task.MAX_LOSE_RATIO if self.max_lose_ratio is None else self.max_lose_ratio,
+        )
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    def to_toml(self) -> str:
+        """TOML text holding every key (``None`` values are written as comments)."""
+        lines = []
+        for f in fields(self):
+            value = getattr(self, f.name)
+            if value is None:
+                lines.append(f"# {f.name} = (task default)")
+            else:
+                lines.append(f"{f.name} = {json.dumps(value)}")
+        return "\n".join(lines) + "\n"
+
+
+def _check(f: dataclasses.Field, value: Any) -> None:
+    """Validate one field against its type and the range in its metadata."""
+    name, meta = f.name, f.metadata
+    if value is None:
+        if "None" in str(f.type):
+            return
+        raise ConfigError(f"{name}: a value is required")
+    kind = str(f.type).replace(" | None", "")
+    if kind == "bool":
+        if not isinstance(value, bool):
+            raise ConfigError(f"{name}: expected true or false, got {value!r}")
+        return
+    if kind == "int" and (isinstance(value, bool) or not isinstance(value, int)):
+        raise ConfigError(f"{name}: expected an integer, got {value!r}")
+    if kind == "float" and (isinstance(value, bool) or not isinstance(value, (int, float))):
+        raise ConfigError(f"{name}: expected a number, got {value!r}")
+    if kind == "str" and not isinstance(value, str):
+        raise ConfigError(f"{name}: expected a string, got {value!r}")
+    if "choices" in meta and value not in meta["choices"]:
+        raise ConfigError(f"{name}: {value!r} is not allowed; choose one of {', '.join(meta['choices'])}")
+    if isinstance(value, (int, float)):
+        if value != value or value in (float("inf"), float("-inf")):
+            raise ConfigError(f"{name}: must be finite, got {value!r}")
+        bounds = [("min", ">=", lambda v, b: v >= b), ("gt", ">", lambda v, b: v > b),
+                  ("max", "<=", lambda v, b: v <= b), ("lt", "<", lambda v, b: v < b)]
+        for key, sign, ok in bounds:
+            if key in meta and not ok(value, meta[key]):
+                raise ConfigError(f"{name}: {value!r} is out of range; it must be {sign} {meta[key]}")
+
+
+def load_config(path: str | Path | None = None, **overrides: Any) -> RunConfig:
+    """Build a ``RunConfig`` from an optional TOML file, then keyword overrides (``None`` overrides are ignored).
+
+    Raises:
+        ConfigError: the file is missing or not TOML, a key is unknown, or a value is invalid.
+    """
+    values: dict[str, Any] = {}
+    if path:
+        path = Path(path)
+        if not path.is_file():
+            raise ConfigError(f"config file {path} not found")
+        try:
+            values = tomllib.loads(path.read_text(encoding="utf-8"))
+        except tomllib.TOMLDecodeError as err:
+            raise ConfigError(f"{path}: not valid TOML ({err})") from None
+        values = values.get("fedspear", values)
+    values.update({k: v for k, v in overrides.items() if v is not None})
+    known = {f.name for f in fields(RunConfig)}
+    unknown = sorted(set(values) - known)
+    if unknown:
+        raise ConfigError(f"unknown config key(s) {', '.join(unknown)}; known keys: {', '.join(sorted(known))}")
+    try:
+        return RunConfig(**values)
+    except ConfigError as err:
+        where = f"{path}: " if path else ""
+        raise ConfigError(f"{where}{err}") from None

@@ -1,0 +1,98 @@
+"""Central evaluation of the global adapter (SPEC §6).
+
+Primary metric: accuracy of the final answer of a greedy generation (the paper's "accuracy of the final produced
+answer"), scored with the task's ``is_correct``. Secondary, for multiple-choice tasks: log-likelihood accuracy —
+one forward over the prompt, then argmax over the label tokens at the first answer position (the authors'
+ARC/HellaSwag protocol). **Decision:** with a chat template the answer starts the assistant turn, so the label is
+scored as its bare token ("A"); without one the prompt ends in "Answer:" and the label is scored as " A".
+
+Both come with n and a 95% Wilson score interval.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from typing import Sequence
+
+import torch
+
+from .interaction import generate, render
+from .model import autocast
+from .tasks.base import Example
+
+
+def wilson_interval(correct: int, n: int, z: float = 1.959964) -> tuple[float, float]:
+    """95% Wilson score interval for a binomial proportion ``correct / n`` → ``(low, high)``; (0, 1) when n = 0."""
+    if n == 0:
+        return 0.0, 1.0
+    p = correct / n
+    denom = 1 + z * z / n
+    centre = (p + z * z / (2 * n)) / denom
+    half = z * math.sqrt(p * (1 - p) / n + z * z / (4 * n * n)) / denom
+    return max(0.0, centre - half), min(1.0, centre + half)
+
+
+def label_token_ids(tokenizer, labels: Sequence[str]) -> list[int]:
+    """First token id of each label as it would begin the answer (see the module docstring)."""
+    prefix = "" if getattr(tokenizer, "chat_template", None) else " "
+    return [tokenizer.encode(prefix + label, add_special_tokens=False)[0] for label in labels]
+
+
+@torch.no_grad()
+def loglik_predictions(model, tokenizer, examples: Sequence[Example], task, *, dtype_used="fp32",
+                       batch_size: int = 16) -> list[str]:
+    """The label with the highest next-token log-probability after each prompt (one forward per item)."""
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    predictions = []
+    model.eval()
+    for start in range(0, len(examples), batch_size):
+        chunk = examples[start : start + batch_size]
+        contexts = [render(tokenizer, [task.prompt(ex)]) for ex in chunk]
+        width = max(len(c) for c in contexts)
+        ids = torch.full((len(chunk), width), pad, dtype=torch.long)  # [B, L]
+        mask = torch.zeros_like(ids)  # [B, L]
+        for i, c in enumerate(contexts):
+            ids[i, width - len(c) :] = torch.tensor(c)
+            mask[i, width - len(c) :] = 1
+        positions = (mask.cumsum(1) - 1).clamp(min=0)  # [B, L]
+        with autocast(dtype_used):
+            logits = model(input_ids=ids, attention_mask=mask, position_ids=positions, logits_to_keep=1,
+                           use_cache=False).logits[:, -1, :].float()  # [B, V]
+        for i, ex in enumerate(chunk):
+            candidates = torch.tensor(label_token_ids(tokenizer, ex.labels))
+            predictions.append(ex.labels[int(logits[i, candidates].argmax())])
+    return predictions
+
+
+def evaluate(model, tokenizer, examples: Sequence[Example], task, *, dtype_used: str = "fp32",
+             generation: bool = True, loglik: bool = True, batch_size: int = 32) -> dict[str, float]:
+    """Accuracy of ``model`` on ``examples``.
+
+    Returns:
+        ``n``, and for each metric computed (``acc_gen``; ``acc_ll`` for multiple choice): the accuracy, its
+        Wilson 95% interval (``<name>_low``, ``<name>_high``), plus ``seconds_evaluate`` and, for generation, the
+        share of answers that could be parsed (``parsed_gen``) and the predicted-label distribution
+        (``pred_<label>`` counts) so a shift of the label prior is visible.
+    """
+    t0 = time.perf_counter()
+    out: dict[str, float] = {"n": len(examples)}
+    if generation and examples:
+        contexts = [render(tokenizer, [task.prompt(ex)]) for ex in examples]
+        completions = generate(model, tokenizer, contexts, max_new_tokens=task.MAX_NEW_TOKENS,
+                               dtype_used=dtype_used, do_sample=False, batch_size=batch_size)
+        answers = [task.extract_answer(tokenizer.decode(c, skip_special_tokens=True), ex)
+                   for c, ex in zip(completions, examples)]
+        correct = sum(a == ex.gold for a, ex in zip(answers, examples))
+        out["acc_gen"] = correct / len(examples)
+        out["acc_gen_low"], out["acc_gen_high"] = wilson_interval(correct, len(examples))
+        out["parsed_gen"] = sum(a is not None for a in answers) / len(examples)
+        for label in sorted({l for ex in examples for l in ex.labels}):
+            out[f"pred_{label}"] = sum(a == label for a in answers)
+    if loglik and task.MULTIPLE_CHOICE and examples:
+        predictions = loglik_predictions(model, tokenizer, examples, task, dtype_used=dtype_used)
+        correct = sum(p == ex.gold for p, ex in zip(predictions, examples))
+        out["acc_ll"] = correct / len(examples)
+        out["acc_ll_low"], out["acc_ll_high"] = wilson_interval(correct, len(examples))
+    out["seconds_evaluate"] = time.perf_counter() - t0
+    return out

@@ -1,0 +1,71 @@
+"""Flower ClientApp: unpack the message, run one SPEAR client-round, pack a reply with a *copy* of the adapter.
+
+The base model is loaded once per process (module-level ``_WORKER``): in the simulation engine that is one Ray
+actor holding one base model for every simulated client it plays; rounds never reload weights.
+The reply carries only LoRA tensors and counters (``num-wins`` is the aggregation weight) — never prompts,
+answers or feedback text.
+"""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+from flwr.app import ArrayRecord, Context, Message, MetricRecord, RecordDict
+from flwr.clientapp import ClientApp
+
+from fedspear.client import Worker
+from fedspear.config import RunConfig
+from fedspear.fl.partition import dirichlet_partitions
+
+app = ClientApp()
+
+_WORKER: Worker | None = None
+
+
+def get_worker(cfg: RunConfig) -> Worker:
+    """The process's worker, (re)loaded only when the model, data or LoRA shape changes."""
+    global _WORKER
+    if _WORKER is None or not _WORKER.compatible(cfg):
+        _WORKER = Worker.load(cfg)
+    _WORKER.cfg = cfg.resolved()  # per-round hyper-parameters may differ (same model)
+    return _WORKER
+
+
+def partition_of(context: Context, cfg: RunConfig, worker: Worker) -> tuple[int, list[int]]:
+    """This node's partition id and train indices (simulation: ``partition-id`` from the node config).
+
+    Raises:
+        ValueError: the node config lacks ``partition-id`` or it is outside 0..num_clients-1.
+    """
+    node = context.node_config
+    if "partition-id" not in node:
+        raise ValueError("node config has no 'partition-id' (start the SuperNode with --node-config 'partition-id=K')")
+    pid = int(node["partition-id"])
+    if not 0 <= pid < cfg.num_clients:
+        raise ValueError(f"partition-id {pid} is outside 0..{cfg.num_clients - 1} (num_clients = {cfg.num_clients})")
+    parts = dirichlet_partitions(worker.examples, cfg.num_clients, cfg.dirichlet_alpha, cfg.seed)
+    return pid, parts[pid]
+
+
+@app.train()
+def train(msg: Message, context: Context) -> Message:
+    """Set adapter → interaction → local training → reply with the adapter copy, ``num-wins`` and counters."""
+    config = msg.content["config"]
+    cfg = RunConfig(**json.loads(str(config["fedspear-config"])))
+    worker = get_worker(cfg)
+    pid, indices = partition_of(context, cfg, worker)
+    global_arrays = {k: v.numpy() for k, v in msg.content["arrays"].items()}
+    arrays, metrics = worker.round(global_arrays, indices, pid, int(config["server-round"]), float(config["lr"]))
+    metrics["partition-id"] = pid
+    metric_record = MetricRecord({k: _metric(v) for k, v in metrics.items()})
+    reply = RecordDict({"arrays": ArrayRecord({k: np.array(v, copy=True) for k, v in arrays.items()}),
+                        "metrics": metric_record})
+    return Message(content=reply, reply_to=msg)
+
+
+def _metric(value) -> int | float:
+    """MetricRecord values must be int or float; NaN stays a float NaN (written as null in metrics.jsonl)."""
+    if isinstance(value, bool):
+        return int(value)
+    return value if isinstance(value, int) else float(value)

@@ -1,0 +1,189 @@
+"""Flower ServerApp: rounds of SPEAR with win-weighted FedAvg, central evaluation, checkpoints and resume.
+
+``run_server`` drives the rounds itself with the strategy's ``configure_train`` / ``aggregate_train`` (rather than
+``Strategy.start``) so that it can resume after the last completed round, time each phase, and write one metrics
+line per round. The per-round learning rate (warm-up + cosine, ``fedspear.training.lr_at_round``) travels in the
+train config.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import random
+import time
+from typing import Callable
+
+import numpy as np
+from flwr.app import ArrayRecord, ConfigRecord, Context
+from flwr.serverapp import Grid, ServerApp
+
+from fedspear.client import peak_rss_mb
+from fedspear.config import RunConfig, load_config
+from fedspear.evaluation import evaluate
+from fedspear.fl.strategy import WinWeightedFedAvg
+from fedspear.model import LoraSettings, add_lora, get_adapter, load_base, set_adapter
+from fedspear.report import write_report
+from fedspear.rundir import RunDir
+from fedspear.tasks import get_task
+from fedspear.training import lr_at_round
+
+log = logging.getLogger("fedspear")
+
+COUNTERS = ("prompts", "initial_correct", "revisions_attempted", "revisions_successful", "num-wins", "num-losses",
+            "generations", "tokens_generated", "skipped_nonfinite", "active_tokens", "lose_used", "steps")
+
+
+class Evaluator:
+    """The server's copy of base model + adapter, and the fixed held-out subset it scores (SPEC §6)."""
+
+    def __init__(self, cfg: RunConfig):
+        self.cfg = cfg
+        self.task = get_task(cfg.task)
+        base, self.tokenizer, self.dtype_used = load_base(cfg.model, cfg.dtype)
+        self.model = add_lora(base, LoraSettings(cfg.lora_r, cfg.lora_alpha, cfg.lora_dropout, cfg.last_layers),
+                              seed=cfg.seed)
+        items = self.task.load(self.task.EVAL_SPLIT, data_dir=cfg.data_dir, source=cfg.data_source)
+        if cfg.eval_size and cfg.eval_size < len(items):
+            # a fixed subset, the same for every seed and algorithm, so runs compare on identical items
+            items = random.Random(1234).sample(items, cfg.eval_size)
+        self.examples = items
+
+    def initial_adapter(self) -> dict[str, np.ndarray]:
+        return get_adapter(self.model)
+
+    def peft_config(self) -> dict:
+        return self.model.peft_config["default"].to_dict()
+
+    def __call__(self, arrays: dict[str, np.ndarray]) -> dict[str, float]:
+        set_adapter(self.model, arrays)
+        return evaluate(self.model, self.tokenizer, self.examples, self.task, dtype_used=self.dtype_used,
+                        generation=self.cfg.eval_generation)
+
+
+def _round_record(server_round: int, lr: float, replies, aggregated: bool) -> dict:
+    """Totals, means and per-client values of one round's replies (the counters of SPEC §6)."""
+    clients = []
+    for msg in replies:
+        if msg.has_error():
+            clients.append({"node_id": msg.metadata.src_node_id, "error": msg.error.reason})
+            continue
+        metrics = dict(next(iter(msg.content.metric_records.values())))
+        metrics["node_id"] = msg.metadata.src_node_id
+        clients.append(metrics)
+    ok = [c for c in clients if "error" not in c]
+    total = {k: sum(c.get(k, 0) for c in ok) for k in COUNTERS}
+    trained = [c for c in ok if c.get("steps", 0) > 0]
+    margins = [c["margin"] for c in ok if c.get("margin_pairs", 0) > 0 and c["margin"] == c["margin"]]
+    record = {
+        "round": server_round,
+        "lr": lr,
+        "clients_ok": len(ok),
+        "clients_failed": len(clients) - len(ok),
+        "aggregated": aggregated,
+        **{k.replace("-", "_"): v for k, v in total.items()},
+        "wins": total["num-wins"],
+        "losses": total["num-losses"],
+        "initial_accuracy": total["initial_correct"] / total["prompts"] if total["prompts"] else None,
+        "loss": float(np.mean([c["loss"] for c in trained])) if trained else None,
+        "loss_win": float(np.mean([c["loss_win"] for c in trained])) if trained else None,
+        "loss_lose": float(np.mean([c["loss_lose"] for c in trained])) if trained else None,
+        "margin": float(np.mean(margins)) if margins else None,
+        "seconds": {
+            "generate_initial": sum(c.get("seconds_generate_initial", 0.0) for c in ok),
+            "generate_revisions": sum(c.get("seconds_generate_revisions", 0.0) for c in ok),
+            "train": sum(c.get("seconds_train", 0.0) for c in ok),
+        },
+        "peak_rss_mb": {"client": max((c.get("peak_rss_mb", 0.0) for c in ok), default=0.0)},
+        "clients": clients,
+    }
+    del record["num_wins"], record["num_losses"]
+    return record
+
+
+def run_server(grid: Grid, cfg: RunConfig, on_round: Callable[[dict], None] | None = None) -> list[dict]:
+    """Run (or resume) a SPEAR federation to ``cfg.rounds`` rounds; returns every round record.
+
+    Writes the run directory described in ``fedspear.rundir``. Raises ``ConfigError`` when the run directory holds
+    a run with other settings.
+    """
+    cfg = cfg.resolved()
+    run = RunDir(cfg.output_dir)
+    run.check_or_write_config(cfg)
+    evaluator = Evaluator(cfg)
+    records = run.records()
+    if records:
+        last = records[-1]["round"]
+        arrays = run.load_adapter(last)
+        wall = records[-1].get("wall_clock", 0.0)
+        log.info("resuming %s after round %d", cfg.output_dir, last)
+    else:
+        last, arrays = 0, evaluator.initial_adapter()
+        t0 = time.perf_counter()
+        metrics = evaluator(arrays)
+        wall = time.perf_counter() - t0
+        run.save_adapter(0, arrays, evaluator.peft_config())
+        record = {"round": 0, "eval": metrics, "seconds": {"evaluate": metrics["seconds_evaluate"]},
+                  "wall_clock": wall, "dtype": evaluator.dtype_used,
+                  "peak_rss_mb": {"server": peak_rss_mb()}}
+        run.append(record)
+        records.append(record)
+        if on_round:
+            on_round(record)
+
+    strategy = WinWeightedFedAvg(cfg.clients_per_round, cfg.num_clients, seed=cfg.seed)
+    payload = json.dumps(cfg.to_dict())
+    for server_round in range(last + 1, cfg.rounds + 1):
+        t_round = time.perf_counter()
+        lr = lr_at_round(server_round, cfg.rounds, cfg.lr, cfg.lr_min, cfg.warmup_ratio)
+        config = ConfigRecord({"lr": lr, "fedspear-config": payload})
+        messages = strategy.configure_train(server_round, ArrayRecord(arrays), config, grid)
+        t_send = time.perf_counter()
+        replies = list(grid.send_and_receive(messages, timeout=cfg.round_timeout))
+        t_recv = time.perf_counter()
+        new_arrays, _ = strategy.aggregate_train(server_round, replies)
+        aggregated = new_arrays is not None and any(
+            not msg.has_error() and next(iter(msg.content.metric_records.values()))["num-wins"] > 0
+            for msg in replies
+        )
+        if new_arrays is not None:
+            arrays = {k: v.numpy() for k, v in new_arrays.items()}
+        t_agg = time.perf_counter()
+        record = _round_record(server_round, lr, replies, aggregated)
+        client_seconds = sum(c.get("seconds_generate_initial", 0) + c.get("seconds_generate_revisions", 0)
+                             + c.get("seconds_train", 0) for c in record["clients"] if "error" not in c)
+        record["seconds"]["aggregate"] = t_agg - t_recv
+        record["seconds"]["clients_total"] = client_seconds
+        record["seconds"]["flower_overhead"] = max(0.0, (t_recv - t_send) - client_seconds)
+        if server_round % cfg.eval_every == 0 or server_round == cfg.rounds:
+            record["eval"] = evaluator(arrays)
+            record["seconds"]["evaluate"] = record["eval"]["seconds_evaluate"]
+        else:
+            record["eval"] = None
+            record["seconds"]["evaluate"] = 0.0
+        record["seconds"]["round"] = time.perf_counter() - t_round
+        wall += record["seconds"]["round"]
+        record["wall_clock"] = wall
+        record["peak_rss_mb"]["server"] = peak_rss_mb()
+        run.save_adapter(server_round, arrays, evaluator.peft_config())
+        run.append(record)
+        records.append(record)
+        if on_round:
+            on_round(record)
+    write_report(run.path, records, cfg, dtype=evaluator.dtype_used)
+    return records
+
+
+# ---- `flwr run .` entry point -----------------------------------------------------------------------------------
+app = ServerApp()
+
+
+@app.main()
+def main(grid: Grid, context: Context) -> None:
+    """``flwr run .``: settings come from ``[tool.flwr.app.config]`` (``config-file`` plus flat overrides)."""
+    run_config = dict(context.run_config)
+    config_file = str(run_config.pop("config-file", "") or "") or None
+    overrides = {k.replace("-", "_"): v for k, v in run_config.items()}
+    overrides["output_dir"] = overrides.pop("run_dir", None)
+    cfg = load_config(config_file, **overrides)
+    run_server(grid, cfg)

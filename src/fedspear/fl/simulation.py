@@ -1,0 +1,79 @@
+"""Run a fedspear federation on Flower's simulation engine, on this machine only (127.0.0.1).
+
+One Ray actor holds one base model and plays every simulated client in turn (``client-resources.num-cpus`` equals
+the CPUs Ray may use, so exactly one actor fits); the ServerApp runs in this process and does the central
+evaluation. Flower and Ray keep their state under ``<output_dir>/.flwr`` and ``/tmp/ray``; telemetry, update checks
+and runtime dependency installation are off.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from pathlib import Path
+from typing import Callable
+
+from fedspear.config import RunConfig
+
+
+def flower_environment(run_dir: str | Path) -> None:
+    """Set the environment Flower and Ray read: state inside the run directory, no telemetry, loopback only."""
+    flwr_home = Path(run_dir).resolve() / ".flwr"
+    flwr_home.mkdir(parents=True, exist_ok=True)
+    os.environ["FLWR_HOME"] = str(flwr_home)
+    os.environ["FLWR_TELEMETRY_ENABLED"] = "0"
+    os.environ["FLWR_DISABLE_UPDATE_CHECK"] = "1"
+    os.environ["FLWR_DISABLE_RUNTIME_DEPENDENCY_INSTALLATION"] = "1"
+    os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+    os.environ.setdefault("RAY_DEDUP_LOGS", "0")
+    # the worker process must find fedspear even when it runs from a source checkout
+    src = str(Path(__file__).resolve().parents[2])
+    os.environ["PYTHONPATH"] = os.pathsep.join([src, *filter(None, os.environ.get("PYTHONPATH", "").split(os.pathsep))])
+
+
+def simulate(cfg: RunConfig, on_round: Callable[[dict], None] | None = None, verbose: bool = False) -> None:
+    """Run (or resume) ``cfg`` on the simulation engine; the run directory receives every output.
+
+    Raises:
+        RuntimeError: the ServerApp failed (its error is logged by Flower; the run directory keeps the completed
+        rounds, and re-running resumes).
+    """
+    flower_environment(cfg.output_dir)
+    from flwr.app import Context
+    from flwr.serverapp import Grid, ServerApp
+    from flwr.simulation import run_simulation
+
+    from fedspear.fl.client_app import app as client_app
+    from fedspear.fl.server_app import run_server
+
+    outcome: dict[str, object] = {}
+    server_app = ServerApp()
+
+    @server_app.main()
+    def _main(grid: Grid, context: Context) -> None:
+        try:
+            outcome["records"] = run_server(grid, cfg, on_round=on_round)
+        except BaseException as err:  # surfaced to the caller below, after Flower shuts down cleanly
+            outcome["error"] = err
+            raise
+
+    if not verbose:
+        logging.getLogger("flwr").setLevel(logging.WARNING)
+    cpus = max(1, min(2, os.cpu_count() or 1))
+    backend_config = {
+        "client_resources": {"num_cpus": cpus, "num_gpus": 0.0},
+        "init_args": {
+            "num_cpus": cpus,
+            "num_gpus": 0,
+            "_node_ip_address": "127.0.0.1",
+            "include_dashboard": False,
+            "logging_level": logging.INFO if verbose else logging.WARNING,
+            "log_to_driver": verbose,
+        },
+    }
+    run_simulation(server_app=server_app, client_app=client_app, num_supernodes=cfg.num_clients,
+                   backend_config=backend_config, verbose_logging=verbose)
+    if "error" in outcome:
+        raise outcome["error"]  # type: ignore[misc]
+    if "records" not in outcome:
+        raise RuntimeError("the Flower simulation ended before the ServerApp finished (see the log above)")

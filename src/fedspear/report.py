@@ -1,0 +1,149 @@
+"""``report.md`` and PNG plots for a run directory (matplotlib, headless).
+
+Plots: ``plots/accuracy.png`` (held-out accuracy vs round with 95% intervals), ``plots/wall_clock.png``
+(cumulative wall-clock seconds vs round), ``plots/interaction.png`` (wins, losses and successful revisions per
+round).
+"""
+
+from __future__ import annotations
+
+import datetime as _dt
+import shlex
+import sys
+from pathlib import Path
+from typing import Sequence
+
+from .config import RunConfig
+
+
+def _fmt(value, digits: int = 3) -> str:
+    if value is None:
+        return "–"
+    if isinstance(value, float):
+        return f"{value:.{digits}f}"
+    return str(value)
+
+
+def _acc(ev: dict | None, key: str) -> str:
+    if not ev or key not in ev:
+        return "–"
+    return f"{ev[key]:.3f} [{ev[key + '_low']:.3f}, {ev[key + '_high']:.3f}]"
+
+
+def plot_run(path: Path, records: Sequence[dict]) -> list[Path]:
+    """Write the three plots of a run; returns their paths."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    out = path / "plots"
+    out.mkdir(parents=True, exist_ok=True)
+    written = []
+
+    evals = [(r["round"], r["eval"]) for r in records if r.get("eval")]
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for key, label in (("acc_gen", "generation (greedy)"), ("acc_ll", "log-likelihood")):
+        pts = [(t, e) for t, e in evals if key in e]
+        if pts:
+            xs = [t for t, _ in pts]
+            ys = [e[key] for _, e in pts]
+            lo = [e[key] - e[key + "_low"] for _, e in pts]
+            hi = [e[key + "_high"] - e[key] for _, e in pts]
+            ax.errorbar(xs, ys, yerr=[lo, hi], marker="o", capsize=3, label=label)
+    ax.set_xlabel("round")
+    ax.set_ylabel("held-out accuracy (95% CI)")
+    ax.set_title("Accuracy vs round")
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(out / "accuracy.png", dpi=120)
+    plt.close(fig)
+    written.append(out / "accuracy.png")
+
+    fig, ax = plt.subplots(figsize=(6, 4))
+    ax.plot([r["round"] for r in records], [r.get("wall_clock", 0.0) / 60 for r in records], marker="o")
+    ax.set_xlabel("round")
+    ax.set_ylabel("cumulative wall-clock (minutes)")
+    ax.set_title("Cumulative wall-clock")
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(out / "wall_clock.png", dpi=120)
+    plt.close(fig)
+    written.append(out / "wall_clock.png")
+
+    rounds = [r for r in records if r["round"] > 0]
+    fig, ax = plt.subplots(figsize=(6, 4))
+    if rounds:
+        xs = [r["round"] for r in rounds]
+        width = 0.27
+        ax.bar([x - width for x in xs], [r["wins"] for r in rounds], width, label="wins")
+        ax.bar(xs, [r["losses"] for r in rounds], width, label="losses")
+        ax.bar([x + width for x in xs], [r["revisions_successful"] for r in rounds], width,
+               label="successful revisions")
+    ax.set_xlabel("round")
+    ax.set_ylabel("traces (all sampled clients)")
+    ax.set_title("Wins, losses and successful revisions per round")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(out / "interaction.png", dpi=120)
+    plt.close(fig)
+    written.append(out / "interaction.png")
+    return written
+
+
+def write_report(path: str | Path, records: Sequence[dict], cfg: RunConfig, dtype: str,
+                 command: str | None = None) -> Path:
+    """Write ``report.md`` and the plots for the run at ``path``; returns the report's path."""
+    path = Path(path)
+    plot_run(path, records)
+    command = command or "fedspear run --config " + shlex.quote(str(path / "config.toml"))
+    first = next((r for r in records if r["round"] == 0), None)
+    last_eval = next((r for r in reversed(records) if r.get("eval")), None)
+    rounds = [r for r in records if r["round"] > 0]
+    peak_client = max((r.get("peak_rss_mb", {}).get("client", 0) for r in rounds), default=0)
+    peak_server = max((r.get("peak_rss_mb", {}).get("server", 0) for r in records), default=0)
+    lines = [
+        f"# fedspear run — {cfg.task}, {cfg.model}",
+        "",
+        f"Reproduce: `{command}` (seed {cfg.seed}). Written {_dt.datetime.now().isoformat(timespec='seconds')}"
+        f" by fedspear on Python {sys.version.split()[0]}.",
+        "",
+        f"- rounds {cfg.rounds}, clients {cfg.num_clients} ({cfg.clients_per_round} per round), "
+        f"rollouts per client-round {cfg.rollouts_per_round}, max revisions N = {cfg.max_revisions}",
+        f"- μ = {cfg.mu}, τ = {cfg.tau}, λ_w = {cfg.lambda_w}, λ_l = {cfg.lambda_l}, lr = {cfg.lr} → "
+        f"{cfg.lr_min}, {cfg.local_steps} local steps × batch {cfg.batch_size}, normalisation {cfg.normalization}",
+        f"- compute dtype: **{dtype}**; held-out items evaluated: {first['eval']['n'] if first else '–'}",
+        f"- peak memory (RSS): server {peak_server:.0f} MiB, client worker {peak_client:.0f} MiB",
+        f"- wall-clock: {records[-1].get('wall_clock', 0) / 60:.1f} min over {len(rounds)} rounds"
+        if records else "",
+        "",
+        "## Accuracy (held-out, 95% Wilson interval)",
+        "",
+        "| | generation | log-likelihood |",
+        "|---|---|---|",
+        f"| round 0 | {_acc(first and first['eval'], 'acc_gen')} | {_acc(first and first['eval'], 'acc_ll')} |",
+        f"| round {last_eval['round'] if last_eval else '–'} | {_acc(last_eval and last_eval['eval'], 'acc_gen')}"
+        f" | {_acc(last_eval and last_eval['eval'], 'acc_ll')} |",
+        "",
+        "![accuracy](plots/accuracy.png)",
+        "",
+        "## Per round",
+        "",
+        "| round | lr | prompts | initial acc | wins | losses | revisions (ok / tried) | tokens | loss win / lose "
+        "| margin M_τ | gen s | train s | eval s | overhead s | round s |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in rounds:
+        s = r["seconds"]
+        lines.append(
+            f"| {r['round']} | {r['lr']:.2e} | {r['prompts']} | {_fmt(r['initial_accuracy'])} | {r['wins']} | "
+            f"{r['losses']} | {r['revisions_successful']} / {r['revisions_attempted']} | {r['tokens_generated']} | "
+            f"{_fmt(r['loss_win'])} / {_fmt(r['loss_lose'])} | {_fmt(r['margin'])} | "
+            f"{s['generate_initial'] + s['generate_revisions']:.1f} | {s['train']:.1f} | {s['evaluate']:.1f} | "
+            f"{s['flower_overhead']:.1f} | {s['round']:.1f} |"
+        )
+    lines += ["", "![interaction](plots/interaction.png)", "", "![wall-clock](plots/wall_clock.png)", ""]
+    report = path / "report.md"
+    report.write_text("\n".join(lines), encoding="utf-8")
+    return report

@@ -1,0 +1,142 @@
+"""The run directory: resolved config, per-round metrics, adapters, resume (no ``flwr`` import).
+
+Layout::
+
+    <output_dir>/
+      config.toml              resolved run config (every key)
+      metrics.jsonl            one JSON line per completed round (round 0 = evaluation before training)
+      adapters/round_NNNN/     adapter_model.safetensors + adapter_config.json (loadable with peft)
+      report.md, plots/*.png   written at the end (and on every resume)
+
+A round counts as completed when its metrics line is written; the adapter is written (atomically: temp folder,
+then rename) *before* that line, so a crash at any point costs at most the round in flight. Re-running into the
+directory resumes after the last completed round; a config that differs from the saved one is refused, naming the
+keys, because resuming under other settings would silently mix two experiments.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import shutil
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from .config import ConfigError, RunConfig, load_config
+
+# keys that may change between invocations without changing the experiment
+RESUME_FREE_KEYS = {"output_dir", "round_timeout", "data_dir"}
+
+
+def _clean(value: Any) -> Any:
+    """JSON-safe copy: NaN/inf → None, numpy scalars → Python numbers."""
+    if isinstance(value, dict):
+        return {k: _clean(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_clean(v) for v in value]
+    if isinstance(value, (np.floating, np.integer)):
+        value = value.item()
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    return value
+
+
+class RunDir:
+    """Reads and writes one run directory (see the module docstring)."""
+
+    def __init__(self, path: str | Path):
+        self.path = Path(path)
+        self.metrics_path = self.path / "metrics.jsonl"
+        self.config_path = self.path / "config.toml"
+
+    # -- config ---------------------------------------------------------------------------------------------------
+    def check_or_write_config(self, cfg: RunConfig) -> None:
+        """Write ``config.toml`` for a new run; for an existing one, refuse a config that differs.
+
+        Raises:
+            ConfigError: the saved config differs in keys other than ``RESUME_FREE_KEYS`` (names them).
+        """
+        self.path.mkdir(parents=True, exist_ok=True)
+        if self.config_path.is_file():
+            saved = load_config(self.config_path)
+            differ = [k for k, v in cfg.to_dict().items()
+                      if k not in RESUME_FREE_KEYS and saved.to_dict().get(k) != v]
+            if differ:
+                details = ", ".join(f"{k}: saved {saved.to_dict()[k]!r} vs now {cfg.to_dict()[k]!r}" for k in differ)
+                raise ConfigError(
+                    f"{self.path} holds a run with other settings ({details}); "
+                    "use another --output-dir or the saved settings to resume"
+                )
+            return
+        _atomic_write(self.config_path, cfg.to_toml())
+
+    # -- metrics --------------------------------------------------------------------------------------------------
+    def records(self) -> list[dict[str, Any]]:
+        """Completed round records in order. A torn last line (crash mid-write) is dropped and the file repaired."""
+        if not self.metrics_path.is_file():
+            return []
+        lines = self.metrics_path.read_text(encoding="utf-8").splitlines()
+        records, good = [], []
+        for line in lines:
+            try:
+                records.append(json.loads(line))
+                good.append(line)
+            except json.JSONDecodeError:
+                break  # everything after a torn line is not trusted
+        if len(good) != len(lines):
+            _atomic_write(self.metrics_path, "".join(l + "\n" for l in good))
+        return records
+
+    def append(self, record: dict[str, Any]) -> None:
+        """Append one round record (a single write of one line, flushed and fsynced)."""
+        self.path.mkdir(parents=True, exist_ok=True)
+        with self.metrics_path.open("a", encoding="utf-8") as fh:
+            fh.write(json.dumps(_clean(record)) + "\n")
+            fh.flush()
+            os.fsync(fh.fileno())
+
+    def last_round(self) -> int | None:
+        """The last completed round (0 = initial evaluation done), or None for a new run."""
+        records = self.records()
+        return records[-1]["round"] if records else None
+
+    # -- adapters -------------------------------------------------------------------------------------------------
+    def adapter_dir(self, server_round: int) -> Path:
+        return self.path / "adapters" / f"round_{server_round:04d}"
+
+    def save_adapter(self, server_round: int, arrays: dict[str, np.ndarray], peft_config: dict | None) -> Path:
+        """Write the global adapter of ``server_round`` in peft's format, atomically."""
+        from safetensors.numpy import save_file
+
+        target = self.adapter_dir(server_round)
+        tmp = target.with_name(target.name + ".tmp")
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir(parents=True)
+        save_file({k: np.ascontiguousarray(v) for k, v in arrays.items()}, str(tmp / "adapter_model.safetensors"))
+        if peft_config is not None:
+            (tmp / "adapter_config.json").write_text(json.dumps(peft_config, indent=2, default=str))
+        shutil.rmtree(target, ignore_errors=True)
+        tmp.rename(target)
+        return target
+
+    def load_adapter(self, server_round: int) -> dict[str, np.ndarray]:
+        """The saved global adapter of ``server_round``.
+
+        Raises:
+            FileNotFoundError: no adapter was saved for that round (names the path).
+        """
+        from safetensors.numpy import load_file
+
+        path = self.adapter_dir(server_round) / "adapter_model.safetensors"
+        if not path.is_file():
+            raise FileNotFoundError(f"{path}: adapter of round {server_round} missing; cannot resume")
+        return dict(load_file(str(path)))
+
+
+def _atomic_write(path: Path, text: str) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(text, encoding="utf-8")
+    os.replace(tmp, path)

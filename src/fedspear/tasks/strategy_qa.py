@@ -1,0 +1,157 @@
+"""StrategyQA: yes/no questions that need implicit multi-step reasoning (Geva et al. 2021), as SPEAR uses it.
+
+Sources: prompt and feedback wording from the paper appendix "Prompt Format" (Prompt Template --- StrategyQA);
+feedback and extraction rules from SPEC §2; splits from SPEC §6/§7 (ChilleD/StrategyQA: train 1603, test 687).
+
+A raw record (``ChilleD/StrategyQA`` split, official StrategyQA fields; ``shared/data/strategy_qa/SOURCE.md``)::
+
+    {"qid": "4b82bd6ced332e84006e", "term": "Mixed martial arts", "description": "full contact combat sport",
+     "question": "Is Mixed martial arts totally original from Roman Colosseum games?", "answer": false,
+     "facts": ["Mixed Martial arts in the UFC takes place in an enclosed structure called The Octagon.",
+               "The Roman Colosseum games were fought in enclosed arenas where combatants would fight until the last man was standing.",
+               "..."],
+     "decomposition": ["What are the major features of UFC's Mixed martial arts?", "..."]}
+
+Labels ("yes", "no"), gold "yes" iff ``answer`` is true; ``extra["facts"]`` holds the facts for the feedback.
+
+No-leak handling of facts (SPEC §2 Decision): a fact that contains "yes" or "no" as a standalone word (e.g. "There
+is no evidence ...") is skipped, whichever of the two is the gold answer — skipping only gold-word facts would
+itself reveal the gold through which facts are missing. The hint shows the first k = max(1, ⌊len(facts)/2⌋) of the
+remaining facts (k counted over all facts; fewer if fewer remain). If every fact contains such a word, the first k
+facts are shown with the words "yes"/"no" replaced by "[...]". On the shipped data 17 of 2290 questions have such a
+fact among their first k, and none has only such facts.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from fedspear.tasks.base import DataError, Example, read_jsonl, require
+from fedspear.tasks.common import (
+    STANDALONE_YES_NO_RE,
+    check_not_correct,
+    check_split,
+    data_root,
+    extract_yes_no,
+    fact_count,
+    load_hub_split,
+    shown_prediction,
+)
+
+NAME = "strategy_qa"
+HUB_ID = "ChilleD/StrategyQA"
+TRAIN_SPLIT = "train"
+EVAL_SPLIT = "test"
+SPLITS = (TRAIN_SPLIT, EVAL_SPLIT)
+#: Generation budget per attempt (tokens). A fedspear default: the paper does not state it; the prompt asks for
+#: step-by-step reasoning before "Answer: yes/no".
+MAX_NEW_TOKENS = 128
+#: |L| ≤ 4·|W| (SPEC §3).
+MAX_LOSE_RATIO = 4
+MULTIPLE_CHOICE = False
+LABELS = ("yes", "no")
+MASK = "[...]"
+
+PROMPT_TEMPLATE = (
+    "Answer the following yes/no question by reasoning step by step.\n"
+    "Think through the question carefully, then end your response with\n"
+    'exactly: "Answer: yes" or "Answer: no" on the final line.\n'
+    "\n"
+    "[QUESTION]\n"
+    "{question}"
+)
+
+FEEDBACK_TEMPLATE = (
+    "Incorrect. '{predicted_answer}' is not the right answer.\n"
+    "\n"
+    "Hint --- consider these relevant facts:\n"
+    "{facts}\n"
+    "\n"
+    "Reason through the question step by step, then end your response with\n"
+    'exactly: "Answer: yes" or "Answer: no".\n'
+    "DO NOT repeat the answer you gave previously."
+)
+
+
+def load(split: str, data_dir: str | Path | None = None, source: str = "offline") -> list[Example]:
+    """The StrategyQA ``split`` ("train" or "test", the ChilleD split) as Examples.
+
+    Args:
+        split: "train" or "test".
+        data_dir: a folder laid out like ``shared/data`` (reads ``data_dir/strategy_qa/<split>.jsonl``); None =
+            the copy shipped in ``fedspear/data/strategy_qa`` (complete).
+        source: "offline" (files) or "hub" (``datasets.load_dataset("ChilleD/StrategyQA")``).
+
+    Raises:
+        ValueError: unknown split or source.
+        DataError: missing file or malformed record (names file:line and field).
+    """
+    check_split(split, SPLITS, NAME)
+    if source == "hub":
+        rows = load_hub_split(HUB_ID, split)
+        return [parse_record(row, f"{HUB_ID}[{split}]:{i}") for i, row in enumerate(rows)]
+    if source != "offline":
+        raise ValueError(f"unknown source {source!r}; choose one of: offline, hub")
+    path = data_root(data_dir) / NAME / f"{split}.jsonl"
+    return [parse_record(record, f"{path}:{lineno}") for lineno, record in read_jsonl(path)]
+
+
+def parse_record(record: dict, where: str) -> Example:
+    """One record → Example with gold "yes"/"no" and ``extra["facts"]``. ``where`` = "file:line" for errors."""
+    uid = require(record, "qid", str, where)
+    question = require(record, "question", str, where).strip()
+    answer = require(record, "answer", bool, where)
+    facts = require(record, "facts", list, where)
+    if not question:
+        raise DataError(f"{where}: field 'question' is empty")
+    if not all(isinstance(fact, str) and fact.strip() for fact in facts):
+        raise DataError(f"{where}: field 'facts' has an empty or non-string fact")
+    return Example(
+        uid=uid,
+        question=question,
+        labels=LABELS,
+        options=(),
+        gold="yes" if answer else "no",
+        extra={"facts": tuple(fact.strip() for fact in facts)},
+    )
+
+
+def prompt(example: Example) -> str:
+    """The initial user message c0 (appendix "Prompt Template --- StrategyQA"). The facts are not shown."""
+    return PROMPT_TEMPLATE.format(question=example.question)
+
+
+def extract_answer(completion: str, example: Example) -> str | None:
+    """``"yes"``/``"no"``: the last ``Answer: yes/no``, else the last standalone yes/no word (case-insensitive)."""
+    return extract_yes_no(completion)
+
+
+def is_correct(completion: str, example: Example) -> bool:
+    """True when the extracted yes/no is the gold one."""
+    return extract_answer(completion, example) == example.gold
+
+
+def hint_facts(facts: tuple[str, ...]) -> list[str]:
+    """The facts the hint shows (module docstring: skip facts with a standalone yes/no word, keep the first k)."""
+    k = fact_count(len(facts))
+    clean = [fact for fact in facts if not STANDALONE_YES_NO_RE.search(fact)]
+    if clean:
+        return clean[:k]
+    return [STANDALONE_YES_NO_RE.sub(MASK, fact) for fact in facts[:k]]
+
+
+def feedback(example: Example, completion: str) -> str:
+    """The oracle's feedback for a wrong completion (appendix template; SPEC §2 no-leak decision).
+
+    Names the model's own answer (``?`` if none could be extracted) and lists facts as ``- fact`` lines
+    (``hint_facts``). Outside the template's fixed "Answer: yes" / "Answer: no" it never says yes or no.
+
+    Raises:
+        ValueError: the completion is correct (feedback is only for wrong answers).
+    """
+    predicted = extract_answer(completion, example)
+    check_not_correct(predicted, example.gold, example.uid)
+    return FEEDBACK_TEMPLATE.format(
+        predicted_answer=shown_prediction(predicted),
+        facts="\n".join(f"- {fact}" for fact in hint_facts(example.extra["facts"])),
+    )

@@ -1,0 +1,250 @@
+"""Phase 2 of SPEAR — local training on the win and lose sets (paper Eqs. 4–7, Alg. 1 lines 25–31; SPEC §3).
+
+Each local step draws a win batch and a lose batch (B traces each, seeded, cycling through each set), runs one
+forward over both (left padded so every completion ends at the last position: logits are computed only for the
+completion window via ``logits_to_keep``, never for the whole prompt), and minimises
+λ_w ℓ_win + λ_l ℓ_lose (``fedspear.losses.spear_loss``). AdamW is fresh per client-round (weight decay 0),
+gradients are clipped to norm 1.0, and a step whose gradient is not finite is skipped and counted.
+
+The learning rate is constant within a round: linear warm-up over the first ``warmup_ratio`` of the rounds, then
+cosine decay to ``lr_min`` (paper appendix "Hyperparameter Settings (SPEAR)"; ``lr_at_round``).
+"""
+
+from __future__ import annotations
+
+import math
+import random
+import time
+from dataclasses import dataclass
+from typing import Sequence
+
+import torch
+
+from . import losses as L
+from .interaction import Trace
+from .model import autocast
+
+
+def lr_at_round(server_round: int, total_rounds: int, lr: float, lr_min: float, warmup_ratio: float = 0.1) -> float:
+    """Learning rate for ``server_round`` (1-based): linear warm-up, then cosine decay to ``lr_min``.
+
+    Warm-up covers the first ``ceil(warmup_ratio · total_rounds)`` rounds, reaching ``lr`` at its last one; the
+    cosine then runs from ``lr`` (the round after warm-up) to ``lr_min`` (the last round).
+
+    Raises:
+        ValueError: ``server_round`` outside 1..total_rounds.
+    """
+    if not 1 <= server_round <= total_rounds:
+        raise ValueError(f"server_round must be in 1..{total_rounds} (got {server_round})")
+    warmup = math.ceil(warmup_ratio * total_rounds)
+    if server_round <= warmup:
+        return lr * server_round / warmup
+    span = total_rounds - warmup
+    if span <= 1:
+        return lr
+    progress = (server_round - warmup - 1) / (span - 1)
+    return lr_min + 0.5 * (lr - lr_min) * (1 + math.cos(math.pi * progress))
+
+
+@dataclass
+class TrainSettings:
+    """Local-training hyper-parameters (paper appendix table "Hyperparameter Settings (SPEAR)").
+
+    Attributes:
+        local_steps: optimiser steps per client-round (E; paper 5 for ARC).
+        batch_size: traces per win batch and per lose batch (B).
+        grad_accum: micro-batches accumulated per step.
+        lambda_w / lambda_l: loss weights (Eq. 7; paper 1.0 / 0.1).
+        mu: unlikelihood confidence gate μ (Eq. 6; paper 0.3).
+        tau: tail length τ (Eq. 5; 0 = whole completion).
+        normalization: "token" (default) or "sequence" (SPEC §3).
+        max_lose_ratio: cap |L| ≤ ratio · |W| by seeded subsampling (SPEC §3).
+        max_grad_norm: gradient clipping norm.
+    """
+
+    local_steps: int = 5
+    batch_size: int = 4
+    grad_accum: int = 1
+    lambda_w: float = 1.0
+    lambda_l: float = 0.1
+    mu: float = 0.3
+    tau: int = 0
+    normalization: str = "token"
+    max_lose_ratio: int = 2
+    max_grad_norm: float = 1.0
+
+
+@dataclass
+class Batch:
+    """A left-padded batch whose completions all end at the last position.
+
+    Shapes: ``input_ids``, ``attention_mask``, ``position_ids`` ``[B, L]``; ``labels``, ``completion_mask``,
+    ``tail_base`` ``[B, C]`` where C is the longest completion. ``tail_base`` is the completion mask without a
+    trailing EOS (Eq. 5's tail set excludes it).
+    """
+
+    input_ids: torch.Tensor
+    attention_mask: torch.Tensor
+    position_ids: torch.Tensor
+    labels: torch.Tensor
+    completion_mask: torch.Tensor
+    tail_base: torch.Tensor
+
+    @property
+    def window(self) -> int:
+        return self.labels.shape[1]
+
+
+def pack(traces: Sequence[Trace], pad_id: int) -> Batch:
+    """Left-pad ``prompt ‖ completion`` for each trace so completions end at the last column."""
+    seqs = [t.prompt_ids + t.completion_ids for t in traces]
+    width = max(len(s) for s in seqs)
+    window = max(len(t.completion_ids) for t in traces)
+    n = len(traces)
+    input_ids = torch.full((n, width), pad_id, dtype=torch.long)  # [B, L]
+    attention = torch.zeros((n, width), dtype=torch.long)  # [B, L]
+    completion = torch.zeros((n, window), dtype=torch.bool)  # [B, C]
+    tail_base = torch.zeros((n, window), dtype=torch.bool)  # [B, C]
+    for i, (seq, t) in enumerate(zip(seqs, traces)):
+        input_ids[i, width - len(seq) :] = torch.tensor(seq)
+        attention[i, width - len(seq) :] = 1
+        c = len(t.completion_ids)
+        completion[i, window - c :] = True
+        tail_base[i, window - c : window - int(t.has_eos)] = True
+    position_ids = (attention.cumsum(dim=1) - 1).clamp(min=0)  # [B, L]
+    labels = input_ids[:, width - window :].clone()  # [B, C]
+    return Batch(input_ids, attention, position_ids, labels, completion, tail_base)
+
+
+def completion_logprobs(model, batch: Batch, dtype_used: str) -> torch.Tensor:
+    """log p_θ(y_i | c0, y_<i) at every completion-window position → ``[B, C]`` float32.
+
+    Only the last C + 1 positions get logits (``logits_to_keep``); position j predicts token j + 1.
+    """
+    with autocast(dtype_used):
+        out = model(
+            input_ids=batch.input_ids,
+            attention_mask=batch.attention_mask,
+            position_ids=batch.position_ids,
+            logits_to_keep=batch.window + 1,
+            use_cache=False,
+        )
+    logits = out.logits[:, :-1, :]  # [B, C, V]
+    return L.token_logprobs(logits, batch.labels)  # [B, C]
+
+
+class _Cycler:
+    """Draws batches of ``size`` from ``items``, reshuffling (seeded) after each full pass."""
+
+    def __init__(self, items: Sequence[Trace], size: int, rng: random.Random):
+        self.items, self.size, self.rng, self.order = list(items), size, rng, []
+
+    def next(self) -> list[Trace]:
+        batch = []
+        while len(batch) < min(self.size, len(self.items)):
+            if not self.order:
+                self.order = list(range(len(self.items)))
+                self.rng.shuffle(self.order)
+            batch.append(self.items[self.order.pop()])
+        return batch
+
+
+def cap_losses(losses: Sequence[Trace], num_wins: int, ratio: int, seed: int) -> list[Trace]:
+    """Subsample the lose set to at most ``ratio · num_wins`` traces (seeded; SPEC §3 ``max_lose_ratio``)."""
+    cap = ratio * num_wins
+    if len(losses) <= cap:
+        return list(losses)
+    return random.Random(seed).sample(list(losses), cap)
+
+
+def local_train(
+    model,
+    tokenizer,
+    wins: Sequence[Trace],
+    losses: Sequence[Trace],
+    settings: TrainSettings,
+    *,
+    lr: float,
+    dtype_used: str = "fp32",
+    seed: int = 0,
+) -> dict[str, float]:
+    """Train the LoRA parameters of ``model`` on one client's win and lose sets (Eq. 7).
+
+    No wins → no local steps (SPEC §3): the adapter is returned untouched and ``steps`` is 0.
+
+    Returns:
+        Metrics: steps, skipped_nonfinite, loss, loss_win, loss_lose (means over steps), active_tokens (gated
+        tail tokens, summed), lose_used (after the cap), lr, seconds_train, margin (mean M_τ over (win, lose)
+        pairs sharing a context, after training; NaN when there is no pair), margin_pairs.
+    """
+    t0 = time.perf_counter()
+    stats = dict(steps=0, skipped_nonfinite=0, loss=0.0, loss_win=0.0, loss_lose=0.0, active_tokens=0,
+                 lose_used=0, lr=lr, seconds_train=0.0, margin=float("nan"), margin_pairs=0)
+    if not wins:
+        return stats
+    use_lose = settings.lambda_l != 0 and bool(losses)
+    losses = cap_losses(losses, len(wins), settings.max_lose_ratio, seed) if use_lose else []
+    stats["lose_used"] = len(losses)
+    params = [p for p in model.parameters() if p.requires_grad]
+    optimizer = torch.optim.AdamW(params, lr=lr, weight_decay=0.0)
+    rng = random.Random(seed)
+    win_draw, lose_draw = _Cycler(wins, settings.batch_size, rng), _Cycler(losses, settings.batch_size, rng)
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    torch.manual_seed(seed)  # LoRA dropout
+    model.train()
+    sums = dict(loss=0.0, loss_win=0.0, loss_lose=0.0)
+    for _ in range(settings.local_steps):
+        optimizer.zero_grad(set_to_none=True)
+        for _ in range(settings.grad_accum):
+            wb = win_draw.next()
+            lb = lose_draw.next() if losses else []
+            batch = pack(wb + lb, pad)
+            logp = completion_logprobs(model, batch, dtype_used)  # [Bw + Bl, C]
+            nw = len(wb)
+            lose_tail = L.tail_mask(batch.tail_base[nw:], settings.tau)  # [Bl, C]
+            alpha = torch.tensor([t.alpha for t in lb], dtype=torch.float32)  # [Bl]
+            terms = L.spear_loss(
+                logp[:nw], batch.completion_mask[:nw], logp[nw:], lose_tail, alpha,
+                lambda_w=settings.lambda_w, lambda_l=settings.lambda_l if lb else 0.0, mu=settings.mu,
+                normalization=settings.normalization,
+            )
+            (terms["loss"] / settings.grad_accum).backward()
+            sums["loss"] += float(terms["loss"].detach()) / settings.grad_accum
+            sums["loss_win"] += float(terms["win"].detach()) / settings.grad_accum
+            sums["loss_lose"] += float(terms["lose"].detach()) / settings.grad_accum
+            stats["active_tokens"] += int(terms["active_tokens"])
+        norm = torch.nn.utils.clip_grad_norm_(params, settings.max_grad_norm)
+        if not torch.isfinite(norm):
+            stats["skipped_nonfinite"] += 1
+            optimizer.zero_grad(set_to_none=True)
+            continue
+        optimizer.step()
+        stats["steps"] += 1
+    n = max(1, settings.local_steps)
+    stats.update({k: v / n for k, v in sums.items()})
+    stats["margin"], stats["margin_pairs"] = pair_margin(model, wins, losses, pad, settings.tau, dtype_used)
+    stats["seconds_train"] = time.perf_counter() - t0
+    model.eval()
+    return stats
+
+
+@torch.no_grad()
+def pair_margin(model, wins, losses, pad: int, tau: int, dtype_used: str) -> tuple[float, int]:
+    """Mean SPEAR margin M_τ (paper §4, Eq. "margin") over (win, lose) pairs that share a context.
+
+    Returns:
+        ``(mean margin in nats per token, number of pairs)``; ``(nan, 0)`` without pairs.
+    """
+    by_uid = {t.uid: t for t in wins}
+    pairs = [(by_uid[t.uid], t) for t in losses if t.uid in by_uid]
+    if not pairs:
+        return float("nan"), 0
+    was_training = model.training
+    model.eval()
+    win_batch = pack([w for w, _ in pairs], pad)
+    lose_batch = pack([l for _, l in pairs], pad)
+    win_logp = completion_logprobs(model, win_batch, dtype_used)
+    lose_logp = completion_logprobs(model, lose_batch, dtype_used)
+    m = L.margin(win_logp, win_batch.completion_mask, lose_logp, L.tail_mask(lose_batch.tail_base, tau))
+    model.train(was_training)
+    return float(m.mean()), len(pairs)

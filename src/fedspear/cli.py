@@ -20,7 +20,7 @@ import typer
 
 from .config import ConfigError, RunConfig, load_config
 
-app = typer.Typer(add_completion=False, no_args_is_help=True, help="Online federated fine-tuning from feedback (SPEAR).")
+app = typer.Typer(add_completion=False, pretty_exceptions_show_locals=False, no_args_is_help=True, help="Online federated fine-tuning from feedback (SPEAR).")
 
 
 @app.callback()
@@ -56,6 +56,7 @@ def preflight(cfg: RunConfig) -> None:
         DataError / ModelError / ValueError: with a message naming the file or model.
     """
     from .model import TINY_MODEL, resolve_model_dir
+    from .rundir import RunDir
     from .tasks import get_task
 
     task = get_task(cfg.task)
@@ -68,6 +69,7 @@ def preflight(cfg: RunConfig) -> None:
         raise ConfigError(f"num_clients = {cfg.num_clients} exceeds the {n} train examples")
     if cfg.model != TINY_MODEL:
         resolve_model_dir(cfg.model)
+    RunDir(cfg.output_dir).check_or_write_config(cfg.resolved())
 
 
 @app.command()
@@ -148,12 +150,15 @@ def _run(cfg: RunConfig, verbose: bool) -> None:
             )
             progress.update(bar, completed=record["round"])
 
-        from .fl.simulation import simulate
+        if done is not None and done >= cfg.rounds:
+            progress.console.print(f"all {cfg.rounds} rounds already completed in {cfg.output_dir}")
+        else:
+            from .fl.simulation import simulate
 
-        try:
-            simulate(cfg, on_round=on_round, verbose=verbose)
-        except (ConfigError, DataError, ModelError) as err:
-            _fail(str(err))
+            try:
+                simulate(cfg, on_round=on_round, verbose=verbose)
+            except (ConfigError, DataError, ModelError) as err:
+                _fail(str(err))
     records = RunDir(cfg.output_dir).records()
     first = next(r for r in records if r["round"] == 0)["eval"]
     last = next(r for r in reversed(records) if r.get("eval"))

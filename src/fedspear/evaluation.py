@@ -3,7 +3,8 @@
 Primary metric: accuracy of the final answer of a greedy generation (the paper's "accuracy of the final produced
 answer"), scored with the task's ``is_correct``. Secondary, for multiple-choice tasks: log-likelihood accuracy —
 one forward over the prompt, then argmax over the label tokens at the first answer position (the authors'
-ARC/HellaSwag protocol). **Decision:** with a chat template the answer starts the assistant turn, so the label is
+ARC/HellaSwag protocol). When generation runs too, the log-likelihood scores come from its first decoding step
+(the same prompt forward), so they cost nothing extra. **Decision:** with a chat template the answer starts the assistant turn, so the label is
 scored as its bare token ("A"); without one the prompt ends in "Answer:" and the label is scored as " A".
 
 Both come with n and a 95% Wilson score interval.
@@ -77,10 +78,14 @@ def evaluate(model, tokenizer, examples: Sequence[Example], task, *, dtype_used:
     """
     t0 = time.perf_counter()
     out: dict[str, float] = {"n": len(examples)}
+    predictions = None
     if generation and examples:
         contexts = [render(tokenizer, [task.prompt(ex)]) for ex in examples]
+        first: list[torch.Tensor] = []
         completions = generate(model, tokenizer, contexts, max_new_tokens=task.MAX_NEW_TOKENS,
-                               dtype_used=dtype_used, do_sample=False, batch_size=batch_size)
+                               dtype_used=dtype_used, do_sample=False, batch_size=batch_size, first_logits=first)
+        predictions = [ex.labels[int(logits[label_token_ids(tokenizer, ex.labels)].argmax())]
+                       for logits, ex in zip(first, examples)]
         answers = [task.extract_answer(tokenizer.decode(c, skip_special_tokens=True), ex)
                    for c, ex in zip(completions, examples)]
         correct = sum(a == ex.gold for a, ex in zip(answers, examples))
@@ -90,7 +95,8 @@ def evaluate(model, tokenizer, examples: Sequence[Example], task, *, dtype_used:
         for label in sorted({l for ex in examples for l in ex.labels}):
             out[f"pred_{label}"] = sum(a == label for a in answers)
     if loglik and task.MULTIPLE_CHOICE and examples:
-        predictions = loglik_predictions(model, tokenizer, examples, task, dtype_used=dtype_used)
+        if predictions is None:  # no generation pass to reuse: one forward per item
+            predictions = loglik_predictions(model, tokenizer, examples, task, dtype_used=dtype_used)
         correct = sum(p == ex.gold for p, ex in zip(predictions, examples))
         out["acc_ll"] = correct / len(examples)
         out["acc_ll_low"], out["acc_ll_high"] = wilson_interval(correct, len(examples))

@@ -84,6 +84,7 @@ def generate(
     temperature: float = 0.8,
     top_p: float = 0.95,
     batch_size: int = 64,
+    first_logits: list[torch.Tensor] | None = None,
 ) -> list[list[int]]:
     """Sample one completion per context, batched with left padding and the KV cache.
 
@@ -91,6 +92,8 @@ def generate(
         contexts: token ids per prompt (lengths may differ).
         max_new_tokens: generation budget per completion (tokens).
         batch_size: most contexts per ``generate`` call (bounds memory; all pending prompts fit by default).
+        first_logits: if a list is given, the raw next-token logits at the first answer position are appended to
+            it, one float32 ``[V]`` tensor per context (log-likelihood scoring reuses the generation's prefill).
     Returns:
         One list of new token ids per context, cut after the first EOS (EOS kept).
     """
@@ -118,9 +121,13 @@ def generate(
                 eos_token_id=eos,
                 pad_token_id=pad,
                 use_cache=True,
+                return_dict_in_generate=True,
+                output_logits=first_logits is not None,
                 **kwargs,
-            )  # [B, L + new]
-        for row in generated[:, width:].tolist():
+            )
+        if first_logits is not None:
+            first_logits.extend(generated.logits[0].float())  # B × [V]
+        for row in generated.sequences[:, width:].tolist():  # [B, new]
             if eos in row:
                 row = row[: row.index(eos) + 1]
             out.append(row)

@@ -30,12 +30,26 @@ def _acc(ev: dict | None, key: str) -> str:
     return f"{ev[key]:.3f} [{ev[key + '_low']:.3f}, {ev[key + '_high']:.3f}]"
 
 
+def _label_prior(first: dict | None, last: dict | None) -> str:
+    """One line comparing the greedy answers' label distribution (a small model moves its prior before its skill)."""
+    def dist(record):
+        ev = (record or {}).get("eval") or {}
+        counts = {k[5:]: v for k, v in ev.items() if k.startswith("pred_")}
+        return ", ".join(f"{k} {v}" for k, v in counts.items()) if counts else "–"
+    if not first:
+        return ""
+    return (f"Greedy answers by label — round 0: {dist(first)}; round {last['round'] if last else '–'}: "
+            f"{dist(last)} (parsed: {_fmt((first.get('eval') or {}).get('parsed_gen'), 2)} → "
+            f"{_fmt(((last or {}).get('eval') or {}).get('parsed_gen'), 2)}).")
+
+
 def plot_run(path: Path, records: Sequence[dict]) -> list[Path]:
     """Write the three plots of a run; returns their paths."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    from matplotlib.ticker import MaxNLocator
 
     out = path / "plots"
     out.mkdir(parents=True, exist_ok=True)
@@ -51,6 +65,7 @@ def plot_run(path: Path, records: Sequence[dict]) -> list[Path]:
             lo = [e[key] - e[key + "_low"] for _, e in pts]
             hi = [e[key + "_high"] - e[key] for _, e in pts]
             ax.errorbar(xs, ys, yerr=[lo, hi], marker="o", capsize=3, label=label)
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True))
     ax.set_xlabel("round")
     ax.set_ylabel("held-out accuracy (95% CI)")
     ax.set_title("Accuracy vs round")
@@ -63,6 +78,7 @@ def plot_run(path: Path, records: Sequence[dict]) -> list[Path]:
 
     fig, ax = plt.subplots(figsize=(6, 4))
     ax.plot([r["round"] for r in records], [r.get("wall_clock", 0.0) / 60 for r in records], marker="o")
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True))
     ax.set_xlabel("round")
     ax.set_ylabel("cumulative wall-clock (minutes)")
     ax.set_title("Cumulative wall-clock")
@@ -81,6 +97,7 @@ def plot_run(path: Path, records: Sequence[dict]) -> list[Path]:
         ax.bar(xs, [r["losses"] for r in rounds], width, label="losses")
         ax.bar([x + width for x in xs], [r["revisions_successful"] for r in rounds], width,
                label="successful revisions")
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True))
     ax.set_xlabel("round")
     ax.set_ylabel("traces (all sampled clients)")
     ax.set_title("Wins, losses and successful revisions per round")
@@ -125,6 +142,8 @@ def write_report(path: str | Path, records: Sequence[dict], cfg: RunConfig, dtyp
         f"| round 0 | {_acc(first and first['eval'], 'acc_gen')} | {_acc(first and first['eval'], 'acc_ll')} |",
         f"| round {last_eval['round'] if last_eval else '–'} | {_acc(last_eval and last_eval['eval'], 'acc_gen')}"
         f" | {_acc(last_eval and last_eval['eval'], 'acc_ll')} |",
+        "",
+        _label_prior(first, last_eval),
         "",
         "![accuracy](plots/accuracy.png)",
         "",

@@ -10,13 +10,13 @@ from __future__ import annotations
 
 import json
 
-import numpy as np
-from flwr.app import ArrayRecord, Context, Message, MetricRecord, RecordDict
+from flwr.app import Context, Message, MetricRecord, RecordDict
 from flwr.clientapp import ClientApp
 
 from fedspear.client import Worker
 from fedspear.config import RunConfig
 from fedspear.fl.partition import dirichlet_partitions
+from fedspear.fl.strategy import from_record, to_record
 
 app = ClientApp()
 
@@ -55,11 +55,11 @@ def train(msg: Message, context: Context) -> Message:
     cfg = RunConfig(**json.loads(str(config["fedspear-config"])))
     worker = get_worker(cfg)
     pid, indices = partition_of(context, cfg, worker)
-    global_arrays = {k: v.numpy() for k, v in msg.content["arrays"].items()}
+    global_arrays = from_record(msg.content["arrays"])
     arrays, metrics = worker.round(global_arrays, indices, pid, int(config["server-round"]), float(config["lr"]))
     metrics["partition-id"] = pid
     metric_record = MetricRecord({k: _metric(v) for k, v in metrics.items()})
-    reply = RecordDict({"arrays": ArrayRecord({k: np.array(v, copy=True) for k, v in arrays.items()}),
+    reply = RecordDict({"arrays": to_record(arrays),
                         "metrics": metric_record})
     return Message(content=reply, reply_to=msg)
 

@@ -15,13 +15,13 @@ import time
 from typing import Callable
 
 import numpy as np
-from flwr.app import ArrayRecord, ConfigRecord, Context
+from flwr.app import ConfigRecord, Context
 from flwr.serverapp import Grid, ServerApp
 
 from fedspear.client import peak_rss_mb
 from fedspear.config import RunConfig, load_config
 from fedspear.evaluation import evaluate
-from fedspear.fl.strategy import WinWeightedFedAvg
+from fedspear.fl.strategy import WinWeightedFedAvg, from_record, to_record
 from fedspear.model import LoraSettings, add_lora, get_adapter, load_base, set_adapter
 from fedspear.report import write_report
 from fedspear.rundir import RunDir
@@ -137,7 +137,7 @@ def run_server(grid: Grid, cfg: RunConfig, on_round: Callable[[dict], None] | No
         t_round = time.perf_counter()
         lr = lr_at_round(server_round, cfg.rounds, cfg.lr, cfg.lr_min, cfg.warmup_ratio)
         config = ConfigRecord({"lr": lr, "fedspear-config": payload})
-        messages = strategy.configure_train(server_round, ArrayRecord(arrays), config, grid)
+        messages = strategy.configure_train(server_round, to_record(arrays), config, grid)
         t_send = time.perf_counter()
         replies = list(grid.send_and_receive(messages, timeout=cfg.round_timeout))
         t_recv = time.perf_counter()
@@ -147,7 +147,7 @@ def run_server(grid: Grid, cfg: RunConfig, on_round: Callable[[dict], None] | No
             for msg in replies
         )
         if new_arrays is not None:
-            arrays = {k: v.numpy() for k, v in new_arrays.items()}
+            arrays = from_record(new_arrays)
         t_agg = time.perf_counter()
         record = _round_record(server_round, lr, replies, aggregated)
         client_seconds = sum(c.get("seconds_generate_initial", 0) + c.get("seconds_generate_revisions", 0)

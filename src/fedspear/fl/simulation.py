@@ -57,8 +57,10 @@ def simulate(cfg: RunConfig, on_round: Callable[[dict], None] | None = None, ver
             outcome["error"] = err
             raise
 
+    flwr_logger = logging.getLogger("flwr")
+    flwr_logger.propagate = False  # Flower prints through its own handler
     if not verbose:
-        logging.getLogger("flwr").setLevel(logging.WARNING)
+        flwr_logger.setLevel(logging.ERROR)
     cpus = max(1, min(2, os.cpu_count() or 1))
     backend_config = {
         "client_resources": {"num_cpus": cpus, "num_gpus": 0.0},

@@ -1,26 +1,38 @@
 """Win-weighted FedAvg on Flower's message API, with the zero-win guard (paper Alg. 2; SPEC §4).
 
-θ^(t+1) = Σ_k |W_k| θ_k / Σ_k |W_k|, computed by Flower's own ``aggregate_arrayrecords`` with the reply metric
-``num-wins`` as the weight. **Decision (SPEC §4):** when every sampled client has zero wins, Flower's FedAvg would
-divide by zero; we keep the global adapter unchanged instead.
+θ^(t+1) = Σ_k |W_k| θ_k / Σ_k |W_k| with the reply metric ``num-wins`` as the weight. The strategy is Flower's
+``FedAvg`` (sampling, message construction, reply checks); the averaging itself is ``fedspear.aggregation.
+win_weighted_average`` (float64 accumulation, fresh arrays). **Decision (SPEC §4):** when every sampled client has
+zero wins, Flower's FedAvg would divide by zero; we keep the global adapter unchanged instead.
 
 Client sampling is seeded per round over the *sorted* node ids so a run is reproducible.
 """
 
 from __future__ import annotations
 
+import logging
 import random
 import time
 from collections.abc import Iterable
-from logging import INFO, WARNING
-
-from flwr.app import ArrayRecord, ConfigRecord, Message, MessageType, MetricRecord, RecordDict
+import numpy as np
+from flwr.app import Array, ArrayRecord, ConfigRecord, Message, MessageType, MetricRecord, RecordDict
 from flwr.serverapp import Grid
 from flwr.serverapp.strategy import FedAvg
-from flwr.serverapp.strategy.strategy_utils import aggregate_arrayrecords
-from flwr.supercore import log
+
+from fedspear.aggregation import win_weighted_average
 
 WEIGHT_KEY = "num-wins"
+log = logging.getLogger("fedspear")
+
+
+def to_record(arrays: dict[str, np.ndarray]) -> ArrayRecord:
+    """An ArrayRecord holding *copies* of ``arrays`` (name → ndarray), in order."""
+    return ArrayRecord({k: Array(np.array(v, copy=True)) for k, v in arrays.items()})
+
+
+def from_record(record: ArrayRecord) -> dict[str, np.ndarray]:
+    """name → ndarray copies of an ArrayRecord."""
+    return {k: np.array(v.numpy(), copy=True) for k, v in record.items()}
 
 
 def sum_metrics(records: list[RecordDict], weighting_metric_name: str) -> MetricRecord:
@@ -72,7 +84,7 @@ class WinWeightedFedAvg(FedAvg):
                     f"only {len(nodes)} of the {self.min_available_nodes} required nodes connected after "
                     f"{self.wait_seconds:.0f} s"
                 )
-            log(INFO, "waiting for nodes: %d connected, %d required", len(nodes), self.min_available_nodes)
+            log.info("waiting for nodes: %d connected, %d required", len(nodes), self.min_available_nodes)
             time.sleep(1)
         rng = random.Random(self.seed * 1_000_003 + server_round)
         return rng.sample(nodes, self.clients_per_round)
@@ -96,10 +108,10 @@ class WinWeightedFedAvg(FedAvg):
             return None, None
         contents = [msg.content for msg in valid]
         metrics = self.train_metrics_aggr_fn(contents, self.weighted_by_key)
-        total_wins = sum(next(iter(c.metric_records.values()))[WEIGHT_KEY] for c in contents)
-        if total_wins == 0:
-            log(WARNING, "round %d: no sampled client has a win; global adapter kept unchanged", server_round)
-            if self.current_arrays is None:
-                return None, metrics
-            return ArrayRecord({k: v for k, v in self.current_arrays.items()}), metrics
-        return aggregate_arrayrecords(contents, self.weighted_by_key), metrics
+        wins = [int(next(iter(c.metric_records.values()))[WEIGHT_KEY]) for c in contents]
+        clients = [from_record(next(iter(c.array_records.values()))) for c in contents]
+        reference = from_record(self.current_arrays) if self.current_arrays is not None else clients[0]
+        averaged, aggregated = win_weighted_average(reference, clients, wins)
+        if not aggregated:
+            log.warning("round %d: no sampled client has a win; global adapter kept unchanged", server_round)
+        return to_record(averaged), metrics

@@ -1,0 +1,63 @@
+"""Shared fixtures: a tiny random Llama (2 layers, real tokenizer) and a few real ARC-Challenge items."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+torch.set_num_threads(2)
+
+
+@pytest.fixture(scope="session")
+def tiny():
+    """``(peft model, tokenizer)``: a randomly initialised 2-layer Llama wrapped with a fresh LoRA adapter."""
+    from fedspear.model import LoraSettings, add_lora, tiny_model
+
+    base, tokenizer = tiny_model(seed=0)
+    return add_lora(base, LoraSettings(r=4, alpha=8, dropout=0.0), seed=0), tokenizer
+
+
+@pytest.fixture(scope="session")
+def arc_items():
+    from fedspear.tasks import arc_challenge
+
+    return arc_challenge.load("train")[:6]
+
+
+class ScriptedFeedback:
+    """A feedback source whose verdicts follow a script: ``script[uid]`` lists verdicts for y0, y1, y2, …"""
+
+    def __init__(self, script: dict[str, list[bool]]):
+        self.script = script
+        self.calls: dict[str, int] = {}
+        self.feedback_calls = 0
+
+    def is_correct(self, example, completion: str) -> bool:
+        n = self.calls.get(example.uid, 0)
+        self.calls[example.uid] = n + 1
+        verdicts = self.script.get(example.uid, [])
+        return verdicts[n] if n < len(verdicts) else False
+
+    def feedback(self, example, completion: str) -> str:
+        self.feedback_calls += 1
+        return "Incorrect. Hint: think again."
+
+
+class AlwaysRight:
+    """Every answer is right: every prompt becomes a win (drives training on a model that cannot answer)."""
+
+    def is_correct(self, example, completion: str) -> bool:
+        return True
+
+    def feedback(self, example, completion: str) -> str:  # pragma: no cover - never asked
+        raise AssertionError("feedback asked for a correct answer")
+
+
+@pytest.fixture
+def scripted():
+    return ScriptedFeedback
+
+
+@pytest.fixture
+def always_right():
+    return AlwaysRight()

@@ -1,0 +1,58 @@
+"""Bad input on the command line: non-zero exit and one message naming the field or file (no traceback)."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+from typer.testing import CliRunner
+
+from fedspear.cli import app
+from fedspear.tasks.common import PACKAGE_DATA_DIR
+
+runner = CliRunner()
+
+
+def _run(*args):
+    return runner.invoke(app, ["run", *args])
+
+
+@pytest.mark.parametrize(
+    ("args", "fragment"),
+    [
+        (["--task", "mnist"], "task: 'mnist' is not allowed"),
+        (["--set", "lr=abc"], "lr: expected a number, got 'abc'"),
+        (["--rounds", "0"], "rounds: 0 is out of range; it must be >= 1"),
+        (["--set", "colour=red"], "unknown config key(s) colour"),
+        (["--model", "/nonexistent/model-dir"], "model path /nonexistent/model-dir does not exist"),
+        (["--model", "no-such-model"], "unknown model 'no-such-model'"),
+        (["--data-dir", "/nonexistent/data"], "data_dir: /nonexistent/data is not a directory"),
+        (["--config", "/nonexistent/run.toml"], "config file /nonexistent/run.toml not found"),
+    ],
+)
+def test_bad_input_exits_2_with_a_named_field(args, fragment):
+    result = _run(*args)
+    assert result.exit_code == 2, result.output
+    assert fragment in result.output
+    assert "Traceback" not in result.output
+
+
+def test_malformed_data_record_names_file_and_line(tmp_path):
+    data = tmp_path / "data" / "arc_challenge"
+    data.mkdir(parents=True)
+    shutil.copy(PACKAGE_DATA_DIR / "arc_challenge" / "test.jsonl", data / "test.jsonl")
+    lines = (PACKAGE_DATA_DIR / "arc_challenge" / "train.jsonl").read_text().splitlines()[:20]
+    record = json.loads(lines[2])
+    del record["answerKey"]
+    lines[2] = json.dumps(record)
+    (data / "train.jsonl").write_text("\n".join(lines) + "\n")
+    result = _run("--data-dir", str(tmp_path / "data"), "-o", str(tmp_path / "run"))
+    assert result.exit_code == 2, result.output
+    assert "train.jsonl:3" in result.output and "answerKey" in result.output
+
+
+def test_too_many_clients_for_the_data():
+    result = _run("--train-size", "5", "--clients", "10")
+    assert result.exit_code == 2
+    assert "num_clients = 10 exceeds the 5 train examples" in result.output

@@ -1,0 +1,78 @@
+"""Run configuration: validation messages, TOML loading, task-dependent defaults, LR schedule."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from fedspear.config import ConfigError, RunConfig, load_config
+from fedspear.training import lr_at_round
+
+
+def test_defaults_are_valid_and_resolve_per_task():
+    cfg = RunConfig()
+    assert cfg.resolved().tau == 0  # paper: τ = 0 for ARC
+    assert cfg.resolved().max_lose_ratio == 2
+    assert RunConfig(task="strategy_qa").resolved().tau == 24
+    assert RunConfig(task="math_mcqa").resolved().max_lose_ratio == 4
+
+
+@pytest.mark.parametrize(
+    ("overrides", "fragment"),
+    [
+        ({"task": "mnist"}, "task: 'mnist' is not allowed"),
+        ({"rounds": 0}, "rounds: 0 is out of range; it must be >= 1"),
+        ({"mu": 1.0}, "mu: 1.0 is out of range; it must be < 1"),
+        ({"mu": "high"}, "mu: expected a number"),
+        ({"rounds": 2.5}, "rounds: expected an integer"),
+        ({"lr": float("nan")}, "lr: must be finite"),
+        ({"dtype": "fp16"}, "dtype: 'fp16' is not allowed; choose one of auto, bf16, fp32"),
+        ({"clients_per_round": 5, "num_clients": 3}, "clients_per_round = 5 exceeds num_clients = 3"),
+        ({"eval_generation": "yes"}, "eval_generation: expected true or false"),
+        ({"colour": "red"}, "unknown config key(s) colour"),
+    ],
+)
+def test_bad_values_name_the_key_and_range(overrides, fragment):
+    with pytest.raises(ConfigError) as err:
+        load_config(**overrides)
+    assert fragment in str(err.value)
+
+
+def test_toml_file_round_trip(tmp_path):
+    cfg = RunConfig(task="strategy_qa", rounds=7, lambda_l=0.0)
+    path = tmp_path / "c.toml"
+    path.write_text(cfg.to_toml())
+    assert load_config(path) == cfg
+    assert load_config(path, rounds=9).rounds == 9  # flags override the file
+
+
+def test_toml_errors_name_the_file(tmp_path):
+    bad = tmp_path / "bad.toml"
+    bad.write_text("rounds = -3\n")
+    with pytest.raises(ConfigError, match=r"bad.toml: rounds: -3 is out of range"):
+        load_config(bad)
+    broken = tmp_path / "broken.toml"
+    broken.write_text("rounds = = 3\n")
+    with pytest.raises(ConfigError, match="not valid TOML"):
+        load_config(broken)
+    with pytest.raises(ConfigError, match="not found"):
+        load_config(tmp_path / "missing.toml")
+
+
+def test_lr_schedule_warmup_then_cosine():
+    """100 rounds, 10% warm-up: round 1 → lr/10, round 10 → lr, round 11 → lr (cosine start), round 100 → lr_min.
+
+    Midway through the cosine (round 11 + 89/2 = 55.5) the rate is (lr + lr_min) / 2.
+    """
+    lr, lo = 5e-5, 1e-5
+    assert lr_at_round(1, 100, lr, lo) == pytest.approx(5e-6)
+    assert lr_at_round(10, 100, lr, lo) == pytest.approx(lr)
+    assert lr_at_round(11, 100, lr, lo) == pytest.approx(lr)
+    assert lr_at_round(100, 100, lr, lo) == pytest.approx(lo)
+    mid = lo + 0.5 * (lr - lo) * (1 + math.cos(math.pi * 0.5))
+    assert mid == pytest.approx((lr + lo) / 2)
+    values = [lr_at_round(t, 100, lr, lo) for t in range(11, 101)]
+    assert all(a >= b for a, b in zip(values, values[1:]))  # monotone decay
+    with pytest.raises(ValueError):
+        lr_at_round(0, 100, lr, lo)

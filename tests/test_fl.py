@@ -1,0 +1,115 @@
+"""The Flower layer: win-weighted aggregation through the real strategy code path, and the ClientApp reply."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+from flwr.app import ConfigRecord, Context, Message, MessageType, MetricRecord, RecordDict
+
+from fedspear.config import RunConfig
+from fedspear.fl.strategy import WinWeightedFedAvg, from_record, to_record
+
+
+@pytest.fixture(autouse=True)
+def task_identity():
+    """Outside a running ServerApp, Flower needs the process's task identity set to build messages."""
+    from flwr.supercore.task_identity import TaskIdentity
+
+    saved = (TaskIdentity._task_id, TaskIdentity._run_id, TaskIdentity._node_id)
+    TaskIdentity.task_id, TaskIdentity.run_id, TaskIdentity.node_id = 1, 1, 0
+    yield
+    TaskIdentity._task_id, TaskIdentity._run_id, TaskIdentity._node_id = saved
+
+
+def _reply(delta: float, wins: int, base: np.ndarray) -> Message:
+    content = RecordDict({"arrays": to_record({"w": base + delta}), "metrics": MetricRecord({"num-wins": wins})})
+    return Message(content=content, dst_node_id=0, message_type=MessageType.TRAIN)
+
+
+@pytest.mark.parametrize(
+    ("wins", "expected_delta"),
+    [
+        ((1, 1, 1), 37.0),  # (1 + 10 + 100) / 3; the reference code's aliasing gives +100
+        ((1, 0, 3), 75.25),  # (1·1 + 0·10 + 3·100) / 4
+        ((0, 0, 0), 0.0),  # zero-win guard: the global adapter is kept unchanged (SPEC §4)
+    ],
+)
+def test_win_weighted_fedavg_through_the_strategy(wins, expected_delta):
+    base = np.arange(6, dtype=np.float32).reshape(2, 3)
+    strategy = WinWeightedFedAvg(clients_per_round=3, min_available_nodes=3)
+    strategy.current_arrays = to_record({"w": base})
+    replies = [_reply(d, w, base) for d, w in zip((1.0, 10.0, 100.0), wins)]
+    arrays, metrics = strategy.aggregate_train(1, replies)
+    out = from_record(arrays)["w"]
+    np.testing.assert_allclose(out, base + expected_delta, rtol=0, atol=1e-5)
+    assert metrics["num-wins"] == sum(wins)
+    out[0, 0] = -1  # the result is a copy, not a view of any reply
+    assert from_record(replies[0].content["arrays"])["w"][0, 0] == base[0, 0] + 1.0
+
+
+def test_sampling_is_seeded_and_waits_boundedly():
+    class Grid:
+        def __init__(self, n):
+            self.n = n
+
+        def get_node_ids(self):
+            return list(range(10, 10 + self.n))[::-1]
+
+    s = WinWeightedFedAvg(clients_per_round=3, min_available_nodes=5, seed=7, wait_seconds=0.0)
+    assert s.sample(Grid(5), 1) == s.sample(Grid(5), 1)
+    assert len(set(s.sample(Grid(5), 2))) == 3
+    with pytest.raises(RuntimeError, match="only 2 of the 5 required nodes connected"):
+        s.sample(Grid(2), 1)
+
+
+def test_client_app_replies_with_adapter_copies_and_counters(monkeypatch, always_right):
+    """One ClientApp call on the tiny model: the reply carries every LoRA tensor (all moved), num-wins, counters,
+    and no text (only arrays and numbers)."""
+    import fedspear.client as client_module
+    from fedspear.fl import client_app
+
+    monkeypatch.setattr(client_module, "OracleFeedback", lambda task: always_right)
+    cfg = RunConfig(model="tiny-random", num_clients=2, clients_per_round=1, rollouts_per_round=3, local_steps=2,
+                    batch_size=2, lr=1e-2, max_new_tokens=3, lora_r=4, lora_alpha=8)
+    worker = client_app.get_worker(cfg)
+    from fedspear.model import get_adapter
+
+    start = get_adapter(worker.model)
+    msg = Message(
+        content=RecordDict({
+            "arrays": to_record(start),
+            "config": ConfigRecord({"server-round": 1, "lr": 1e-2, "fedspear-config": json.dumps(cfg.to_dict())}),
+        }),
+        dst_node_id=1, message_type=MessageType.TRAIN,
+    )
+    context = Context(run_id=1, node_id=1, node_config={"partition-id": 1, "num-partitions": 2}, state=RecordDict(),
+                      run_config={})
+    reply = client_app.train(msg, context)
+    arrays = from_record(reply.content["arrays"])
+    metrics = dict(reply.content["metrics"])
+    assert set(arrays) == set(start)
+    assert all(not np.array_equal(arrays[k], start[k]) for k in start)
+    assert metrics["num-wins"] == 3 and metrics["prompts"] == 3 and metrics["steps"] == 2
+    assert metrics["partition-id"] == 1
+    assert all(isinstance(v, (int, float)) for v in metrics.values())
+    # copies: the worker's live adapter can change without touching the reply
+    live = get_adapter(worker.model)
+    assert all(np.array_equal(live[k], arrays[k]) for k in arrays)
+    import torch
+
+    with torch.no_grad():
+        for p in worker.model.parameters():
+            if p.requires_grad:
+                p.zero_()
+    assert all(not np.array_equal(from_record(reply.content["arrays"])[k], 0) for k in arrays if "lora_A" in k)
+
+
+def test_partition_id_out_of_range_is_a_clear_error():
+    from fedspear.fl.client_app import partition_of
+
+    cfg = RunConfig(model="tiny-random", num_clients=2, clients_per_round=1)
+    context = Context(run_id=1, node_id=1, node_config={"partition-id": 5}, state=RecordDict(), run_config={})
+    with pytest.raises(ValueError, match=r"partition-id 5 is outside 0..1"):
+        partition_of(context, cfg, worker=None)

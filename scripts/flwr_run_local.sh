@@ -12,11 +12,13 @@ cd "$(dirname "$0")/.."
 RUN_DIR=${1:-runs/flwr}
 NODES=${2:-4}
 EXTRA=${3:-}
-VENV_BIN=${VENV_BIN:-.venv/bin}
+VENV_BIN=$(cd "${VENV_BIN:-.venv/bin}" && pwd)
+export PATH="$VENV_BIN:$PATH"  # the SuperLink spawns flower-superexec / flwr-simulation from PATH
 mkdir -p "$RUN_DIR"
 export FLWR_HOME="$(cd "$RUN_DIR" && pwd)/.flwr"
 export FLWR_TELEMETRY_ENABLED=0 FLWR_DISABLE_UPDATE_CHECK=1 FLWR_DISABLE_RUNTIME_DEPENDENCY_INSTALLATION=1
 export RAY_USAGE_STATS_ENABLED=0
+export RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0  # Ray binds to 127.0.0.1 only (not a cluster node)
 export FLWR_LOCAL_SUPERLINK_HTTP_API_PORT=${FLWR_LOCAL_SUPERLINK_HTTP_API_PORT:-39091}
 export FLWR_LOCAL_CONTROL_API_PORT=${FLWR_LOCAL_CONTROL_API_PORT:-39093}
 mkdir -p "$FLWR_HOME"
@@ -26,13 +28,6 @@ default = "local"
 
 [superlink.local]
 address = ":local:"
-options.num-supernodes = $NODES
-options.backend.client-resources.num-cpus = 2
-options.backend.client-resources.num-gpus = 0.0
-options.backend.init-args.num-cpus = 2
-options.backend.init-args.num-gpus = 0
-options.backend.init-args._node_ip_address = "127.0.0.1"
-options.backend.init-args.include-dashboard = false
 TOML
 
 "$VENV_BIN/flower-superlink" --insecure --simulation --isolation subprocess \
@@ -40,12 +35,19 @@ TOML
   --port "$FLWR_LOCAL_SUPERLINK_HTTP_API_PORT" --database "$FLWR_HOME/state.db" \
   > "$FLWR_HOME/superlink.log" 2>&1 &
 SUPERLINK_PID=$!
-stop() { kill "$SUPERLINK_PID" 2>/dev/null || true; wait "$SUPERLINK_PID" 2>/dev/null || true; }
+descendants() { local p; for p in $(pgrep -P "$1"); do descendants "$p"; echo "$p"; done; }
+stop() {  # the SuperLink and everything it spawned (SuperExec, simulation, Ray), by PID
+  local pids; pids="$(descendants "$SUPERLINK_PID") $SUPERLINK_PID"
+  kill $pids 2>/dev/null || true
+  wait "$SUPERLINK_PID" 2>/dev/null || true
+}
 trap stop EXIT
 for _ in $(seq 1 60); do
-  (echo > "/dev/tcp/127.0.0.1/$FLWR_LOCAL_CONTROL_API_PORT") 2>/dev/null && break
+  "$VENV_BIN/python" -c "import httpx,sys; sys.exit(0 if httpx.get('http://127.0.0.1:$FLWR_LOCAL_SUPERLINK_HTTP_API_PORT/health', timeout=1).is_success else 1)" 2>/dev/null && break
+  kill -0 "$SUPERLINK_PID" 2>/dev/null || { echo "SuperLink exited; see $FLWR_HOME/superlink.log" >&2; exit 1; }
   sleep 1
 done
 CONFIG="run-dir=\"$(pwd)/$RUN_DIR\" num-clients=$NODES"
 [ -n "$EXTRA" ] && CONFIG="$CONFIG $EXTRA"
-"$VENV_BIN/flwr" run . local --stream --run-config "$CONFIG"
+"$VENV_BIN/flwr" run . local --stream --run-config "$CONFIG" \
+  --federation-config "num-supernodes=$NODES"

@@ -5,8 +5,10 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -25,13 +27,30 @@ def _fedspear(out: Path) -> subprocess.CompletedProcess:
     return proc
 
 
+def _ray_addresses_since(start: float) -> set[str]:
+    """IPv4 addresses in ip:port form (and 'address ip') in the logs of Ray sessions started after ``start``."""
+    found: set[str] = set()
+    for session in Path("/tmp/ray").glob("session_2*"):
+        if session.stat().st_mtime < start:
+            continue
+        for log in (session / "logs").glob("*"):
+            if log.is_file():
+                text = log.read_text(errors="ignore")
+                found |= set(re.findall(r"\b(\d{1,3}(?:\.\d{1,3}){3}):\d+", text))
+                found |= set(re.findall(r"address:? (\d{1,3}(?:\.\d{1,3}){3})", text))
+    return found
+
+
 def _records(out: Path) -> list[dict]:
     return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
 
 
 def test_run_writes_metrics_report_plots_and_resumes(tmp_path):
     out = tmp_path / "run"
+    start = time.time() - 1
     proc = _fedspear(out)
+    addresses = _ray_addresses_since(start)
+    assert addresses and all(a.startswith("127.") for a in addresses), addresses  # Ray stays on loopback
     assert "round-0 accuracy: generation" in proc.stdout and "final accuracy (round 2)" in proc.stdout
     assert f"report: {out / 'report.md'}" in proc.stdout
 

@@ -25,6 +25,9 @@ def flower_environment(run_dir: str | Path) -> None:
     os.environ["FLWR_DISABLE_UPDATE_CHECK"] = "1"
     os.environ["FLWR_DISABLE_RUNTIME_DEPENDENCY_INSTALLATION"] = "1"
     os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+    # Ray picks the machine's outward address for its workers unless told it is not a cluster node; with this
+    # (read when ray is imported) every Ray process binds and talks to 127.0.0.1 only.
+    os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"
     os.environ.setdefault("RAY_DEDUP_LOGS", "0")
     # the worker process must find fedspear even when it runs from a source checkout
     src = str(Path(__file__).resolve().parents[2])

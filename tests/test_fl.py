@@ -24,7 +24,7 @@ def task_identity():
 
 
 def _reply(delta: float, wins: int, base: np.ndarray) -> Message:
-    content = RecordDict({"arrays": to_record({"w": base + delta}), "metrics": MetricRecord({"num-wins": wins})})
+    content = RecordDict({"arrays": to_record({"w": base + delta}), "metrics": MetricRecord({"num-wins": wins, "num-losses": 0, "prompts": 4})})
     return Message(content=content, dst_node_id=0, message_type=MessageType.TRAIN)
 
 
@@ -113,3 +113,48 @@ def test_partition_id_out_of_range_is_a_clear_error():
     context = Context(run_id=1, node_id=1, node_config={"partition-id": 5}, state=RecordDict(), run_config={})
     with pytest.raises(ValueError, match=r"partition-id 5 is outside 0..1"):
         partition_of(context, cfg, worker=None)
+
+
+def test_no_raw_text_leaves_the_client(monkeypatch):
+    """Wire privacy: the reply holds only LoRA tensors and numbers; no prompt, answer, hint or fact text appears in
+    its serialised bytes (checked against every text the client saw or produced this round)."""
+    import fedspear.client as client_module
+    from flwr.common.serde import recorddict_to_proto
+
+    from fedspear.fl import client_app
+    from fedspear.interaction import interact as real_interact
+    from fedspear.tasks import arc_challenge
+
+    seen: list[str] = []
+
+    def spying_interact(model, tokenizer, examples, task, feedback_source, **kw):
+        result = real_interact(model, tokenizer, examples, task, feedback_source, **kw)
+        for ex in examples:
+            seen.extend([ex.question, *ex.options, task.prompt(ex)])
+        for t in result.wins + result.losses:
+            seen.append(tokenizer.decode(t.completion_ids, skip_special_tokens=True))
+        return result
+
+    monkeypatch.setattr(client_module, "interact", spying_interact)
+    cfg = RunConfig(model="tiny-random", num_clients=2, clients_per_round=1, rollouts_per_round=3, local_steps=1,
+                    batch_size=2, max_new_tokens=3, lora_r=4, lora_alpha=8)
+    worker = client_app.get_worker(cfg)
+    from fedspear.model import get_adapter
+
+    msg = Message(
+        content=RecordDict({
+            "arrays": to_record(get_adapter(worker.model)),
+            "config": ConfigRecord({"server-round": 1, "lr": 1e-3, "fedspear-config": json.dumps(cfg.to_dict())}),
+        }),
+        dst_node_id=1, message_type=MessageType.TRAIN,
+    )
+    context = Context(run_id=1, node_id=1, node_config={"partition-id": 0}, state=RecordDict(), run_config={})
+    reply = client_app.train(msg, context)
+    assert set(reply.content.keys()) == {"arrays", "metrics"}
+    assert not reply.content.config_records
+    assert all(k.startswith("base_model.") and "lora_" in k for k in reply.content["arrays"].keys())
+    wire = recorddict_to_proto(reply.content).SerializeToString()
+    texts = [t for t in seen if len(t.strip()) >= 12]
+    assert texts, "the spy saw no text"
+    leaked = [t for t in texts if t.encode() in wire]
+    assert not leaked, leaked[:2]

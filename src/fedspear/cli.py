@@ -55,6 +55,7 @@ def preflight(cfg: RunConfig) -> None:
     Raises:
         DataError / ModelError / ValueError: with a message naming the file or model.
     """
+    from .client import load_split
     from .model import TINY_MODEL, resolve_model_dir
     from .rundir import RunDir
     from .tasks import get_task
@@ -62,14 +63,20 @@ def preflight(cfg: RunConfig) -> None:
     task = get_task(cfg.task)
     if cfg.data_dir and not Path(cfg.data_dir).is_dir():
         raise ConfigError(f"data_dir: {cfg.data_dir} is not a directory")
-    train = task.load(task.TRAIN_SPLIT, data_dir=cfg.data_dir, source=cfg.data_source)
-    task.load(task.EVAL_SPLIT, data_dir=cfg.data_dir, source=cfg.data_source)
+    train, skipped_train = load_split(cfg, task.TRAIN_SPLIT)
+    _, skipped_eval = load_split(cfg, task.EVAL_SPLIT)
+    for split, skipped in ((task.TRAIN_SPLIT, skipped_train), (task.EVAL_SPLIT, skipped_eval)):
+        if skipped:
+            typer.secho(f"warning: skipped {len(skipped)} malformed {split} record(s); first: {skipped[0]}",
+                        fg="yellow", err=True)
     n = min(len(train), cfg.train_size) if cfg.train_size else len(train)
     if n < cfg.num_clients:
         raise ConfigError(f"num_clients = {cfg.num_clients} exceeds the {n} train examples")
     if cfg.model != TINY_MODEL:
         resolve_model_dir(cfg.model)
-    RunDir(cfg.output_dir).check_or_write_config(cfg.resolved())
+    run = RunDir(cfg.output_dir)
+    run.check_or_write_config(cfg.resolved())
+    run.verify()
 
 
 @app.command()
@@ -98,6 +105,7 @@ def run(
 ) -> None:
     """Run (or resume) a SPEAR federation on Flower's simulation engine and write a report."""
     from .model import ModelError
+    from .rundir import RunDirError
     from .tasks.base import DataError
 
     overrides = dict(task=task, rounds=rounds, num_clients=clients, clients_per_round=clients_per_round,
@@ -109,7 +117,7 @@ def run(
     try:
         cfg = load_config(config, **overrides)
         preflight(cfg)
-    except (ConfigError, DataError, ModelError, ValueError) as err:
+    except (ConfigError, DataError, ModelError, RunDirError, ValueError) as err:
         _fail(str(err))
     _run(cfg, verbose)
 
@@ -119,7 +127,7 @@ def _run(cfg: RunConfig, verbose: bool) -> None:
     from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
     from .model import ModelError, resolve_dtype
-    from .rundir import RunDir
+    from .rundir import RunDir, RunDirError
     from .tasks.base import DataError
 
     console = Console(stderr=True)
@@ -130,8 +138,9 @@ def _run(cfg: RunConfig, verbose: bool) -> None:
         f"{cfg.rounds} rounds · {cfg.num_clients} clients ({cfg.clients_per_round}/round) · "
         f"{cfg.rollouts_per_round} rollouts · N={cfg.max_revisions} · μ={cfg.mu} τ={resolved.tau} "
         f"λ_w={cfg.lambda_w} λ_l={cfg.lambda_l} · seed {cfg.seed} → {cfg.output_dir}"
-        + (f" (resuming after round {done})" if done is not None else "")
     )
+    if done is not None:
+        console.print(f"resuming after round {done}", soft_wrap=True)
     start = time.perf_counter()
     with Progress(TextColumn("{task.description}"), BarColumn(), TextColumn("{task.completed}/{task.total} rounds"),
                   TimeElapsedColumn(), console=console, transient=False) as progress:
@@ -157,7 +166,7 @@ def _run(cfg: RunConfig, verbose: bool) -> None:
 
             try:
                 simulate(cfg, on_round=on_round, verbose=verbose)
-            except (ConfigError, DataError, ModelError) as err:
+            except (ConfigError, DataError, ModelError, RunDirError) as err:
                 _fail(str(err))
     records = RunDir(cfg.output_dir).records()
     first = next(r for r in records if r["round"] == 0)["eval"]

@@ -33,10 +33,21 @@ def derived_seed(*parts: object) -> int:
     return int.from_bytes(digest[:4], "little") & 0x7FFFFFFF
 
 
+def load_split(cfg: RunConfig, split: str) -> tuple[list[Example], list[str]]:
+    """A split of the run's task and the messages of the malformed records skipped (``skip_bad_records``).
+
+    Raises:
+        DataError: a malformed record when ``skip_bad_records`` is off (names file, line and field).
+    """
+    task = get_task(cfg.task)
+    skipped: list[str] | None = [] if cfg.skip_bad_records else None
+    examples = task.load(split, data_dir=cfg.data_dir, source=cfg.data_source, skipped=skipped)
+    return examples, skipped or []
+
+
 def load_train_examples(cfg: RunConfig) -> list[Example]:
     """The task's train split (first ``train_size`` items when set), as every client sees it before partitioning."""
-    task = get_task(cfg.task)
-    examples = task.load(task.TRAIN_SPLIT, data_dir=cfg.data_dir, source=cfg.data_source)
+    examples, _ = load_split(cfg, get_task(cfg.task).TRAIN_SPLIT)
     return examples[: cfg.train_size] if cfg.train_size else examples
 
 

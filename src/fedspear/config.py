@@ -70,6 +70,10 @@ class RunConfig:
     lora_alpha: int = field(default=32, metadata=_meta("LoRA α (paper 32)", min=1))
     lora_dropout: float = field(default=0.1, metadata=_meta("LoRA dropout (paper 0.1)", min=0, lt=1))
     last_layers: int = field(default=0, metadata=_meta("adapt only the last H layers (0 = all)", min=0))
+    # aggregation and robustness (SPEC §4)
+    aggregation: str = field(default="fedavg", metadata=_meta("fedavg (win-weighted, paper), or the robust median / trimmed_mean", choices=["fedavg", "median", "trimmed_mean"]))
+    trim_beta: float = field(default=0.2, metadata=_meta("share cut at each end by trimmed_mean", min=0, lt=0.5))
+    max_update_norm: float | None = field(default=None, metadata=_meta("reject a client update with ‖θ_k − θ‖₂ above this (None: no bound)", gt=0))
     # evaluation (SPEC §6)
     eval_every: int = field(default=2, metadata=_meta("evaluate every k rounds (and at round 0 and the last)", min=1))
     eval_size: int = field(default=100, metadata=_meta("held-out items evaluated (0 = the whole split; CPU default 100)", min=0))
@@ -77,6 +81,7 @@ class RunConfig:
     # data and output
     train_size: int = field(default=0, metadata=_meta("train items partitioned over clients (0 = the whole split)", min=0))
     data_dir: str | None = field(default=None, metadata=_meta("folder with full offline copies (laid out like shared/data)"))
+    skip_bad_records: bool = field(default=False, metadata=_meta("skip (and count) malformed data records instead of stopping"))
     data_source: str = field(default="offline", metadata=_meta("offline (shipped / data_dir) or hub", choices=["offline", "hub"]))
     output_dir: str = field(default="runs/default", metadata=_meta("run directory (re-running into it resumes)"))
     round_timeout: float = field(default=3600.0, metadata=_meta("seconds the server waits for a round's replies", gt=0))

@@ -27,6 +27,10 @@ import numpy as np
 
 from .config import ConfigError, RunConfig, load_config
 
+class RunDirError(ValueError):
+    """A run directory is damaged beyond repair (the message says what is wrong and what to do)."""
+
+
 # keys that may change between invocations without changing the experiment
 RESUME_FREE_KEYS = {"output_dir", "round_timeout", "data_dir"}
 
@@ -98,6 +102,28 @@ class RunDir:
             fh.flush()
             os.fsync(fh.fileno())
 
+    def verify(self) -> int | None:
+        """Check that the directory can be resumed; repair what is safe to repair. Returns the last completed round.
+
+        Repairs: a torn last metrics line (dropped: that round is redone), leftover ``*.tmp`` files and folders.
+        Refuses (``RunDirError``): rounds in metrics.jsonl that are not 0, 1, 2, … in order, or a missing or
+        unreadable adapter for the last completed round.
+        """
+        for tmp in list(self.path.glob("*.tmp")) + list((self.path / "adapters").glob("*.tmp")):
+            shutil.rmtree(tmp, ignore_errors=True) if tmp.is_dir() else tmp.unlink(missing_ok=True)
+        records = self.records()
+        rounds = [r.get("round") for r in records]
+        if rounds != list(range(len(rounds))):
+            raise RunDirError(f"{self.metrics_path}: rounds {rounds[:8]} are not 0, 1, 2, … in order; "
+                              "the run directory was edited or mixed with another run; use a new --output-dir")
+        if not records:
+            return None
+        try:
+            self.load_adapter(rounds[-1])
+        except (FileNotFoundError, OSError, ValueError) as err:
+            raise RunDirError(f"{self.path}: cannot resume after round {rounds[-1]}: {err}") from None
+        return rounds[-1]
+
     def last_round(self) -> int | None:
         """The last completed round (0 = initial evaluation done), or None for a new run."""
         records = self.records()
@@ -126,14 +152,17 @@ class RunDir:
         """The saved global adapter of ``server_round``.
 
         Raises:
-            FileNotFoundError: no adapter was saved for that round (names the path).
+            RunDirError: no adapter was saved for that round, or the file is damaged (names the path).
         """
         from safetensors.numpy import load_file
 
         path = self.adapter_dir(server_round) / "adapter_model.safetensors"
         if not path.is_file():
-            raise FileNotFoundError(f"{path}: adapter of round {server_round} missing; cannot resume")
-        return dict(load_file(str(path)))
+            raise RunDirError(f"{path}: adapter of round {server_round} missing; cannot resume")
+        try:
+            return dict(load_file(str(path)))
+        except Exception as err:  # safetensors raises its own error types for a damaged file
+            raise RunDirError(f"{path}: adapter of round {server_round} unreadable ({err}); cannot resume") from None
 
 
 def _atomic_write(path: Path, text: str) -> None:

@@ -4,11 +4,18 @@ The base model is loaded once per process (module-level ``_WORKER``): in the sim
 actor holding one base model for every simulated client it plays; rounds never reload weights.
 The reply carries only LoRA tensors and counters (``num-wins`` is the aggregation weight) — never prompts,
 answers or feedback text.
+
+Fault injection (resilience tests only): ``FEDSPEAR_INJECT_FAULTS="P:KIND,..."`` makes the client with partition id P
+misbehave in every round — KIND is ``raise`` (crash mid-round), ``nan`` (non-finite adapter), ``shape`` (a tensor of
+the wrong shape), ``norm`` (a huge update) or ``negative`` (a negative win count). Unset in normal use.
 """
 
 from __future__ import annotations
 
 import json
+import os
+
+import numpy as np
 
 from flwr.app import Context, Message, MetricRecord, RecordDict
 from flwr.clientapp import ClientApp
@@ -58,10 +65,38 @@ def train(msg: Message, context: Context) -> Message:
     global_arrays = from_record(msg.content["arrays"])
     arrays, metrics = worker.round(global_arrays, indices, pid, int(config["server-round"]), float(config["lr"]))
     metrics["partition-id"] = pid
+    arrays, metrics = _inject_fault(pid, arrays, metrics)
     metric_record = MetricRecord({k: _metric(v) for k, v in metrics.items()})
     reply = RecordDict({"arrays": to_record(arrays),
                         "metrics": metric_record})
     return Message(content=reply, reply_to=msg)
+
+
+@app.query()
+def query(msg: Message, context: Context) -> Message:
+    """Tell the server this node's partition id (so it can sample clients in a stable order); no data, no model."""
+    pid = int(context.node_config.get("partition-id", -1))
+    return Message(content=RecordDict({"metrics": MetricRecord({"partition-id": pid})}), reply_to=msg)
+
+
+def _inject_fault(pid: int, arrays: dict, metrics: dict) -> tuple[dict, dict]:
+    """Apply ``FEDSPEAR_INJECT_FAULTS`` to this client's reply (see the module docstring)."""
+    faults = dict(item.split(":", 1) for item in os.environ.get("FEDSPEAR_INJECT_FAULTS", "").split(",") if ":" in item)
+    kind = faults.get(str(pid))
+    if kind is None:
+        return arrays, metrics
+    name = next(iter(arrays))
+    if kind == "raise":
+        raise RuntimeError(f"injected crash in client {pid}")
+    if kind == "nan":
+        arrays[name] = np.full_like(arrays[name], np.nan)
+    elif kind == "shape":
+        arrays[name] = np.zeros((1, 1), dtype=arrays[name].dtype)
+    elif kind == "norm":
+        arrays = {k: v + 1e6 for k, v in arrays.items()}
+    elif kind == "negative":
+        metrics["num-wins"] = -5
+    return arrays, metrics
 
 
 def _metric(value) -> int | float:

@@ -15,10 +15,10 @@ import time
 from typing import Callable
 
 import numpy as np
-from flwr.app import ConfigRecord, Context
+from flwr.app import ConfigRecord, Context, Message, MessageType, RecordDict
 from flwr.serverapp import Grid, ServerApp
 
-from fedspear.client import peak_rss_mb
+from fedspear.client import load_split, peak_rss_mb
 from fedspear.config import RunConfig, load_config
 from fedspear.evaluation import evaluate
 from fedspear.fl.strategy import WinWeightedFedAvg, from_record, to_record
@@ -43,7 +43,7 @@ class Evaluator:
         base, self.tokenizer, self.dtype_used = load_base(cfg.model, cfg.dtype)
         self.model = add_lora(base, LoraSettings(cfg.lora_r, cfg.lora_alpha, cfg.lora_dropout, cfg.last_layers),
                               seed=cfg.seed)
-        items = self.task.load(self.task.EVAL_SPLIT, data_dir=cfg.data_dir, source=cfg.data_source)
+        items, self.skipped = load_split(cfg, self.task.EVAL_SPLIT)
         if cfg.eval_size and cfg.eval_size < len(items):
             # a fixed subset, the same for every seed and algorithm, so runs compare on identical items
             items = random.Random(1234).sample(items, cfg.eval_size)
@@ -61,15 +61,22 @@ class Evaluator:
                         generation=self.cfg.eval_generation)
 
 
-def _round_record(server_round: int, lr: float, replies, aggregated: bool) -> dict:
-    """Totals, means and per-client values of one round's replies (the counters of SPEC §6)."""
+def _round_record(server_round: int, lr: float, replies, aggregated: bool, rejected: dict[int, str]) -> dict:
+    """Totals, means and per-client values of one round's accepted replies (the counters of SPEC §6).
+
+    Excluded clients (error replies, failed checks) appear in ``clients`` with ``node_id`` and ``error``.
+    """
     clients = []
     for msg in replies:
-        if msg.has_error():
-            clients.append({"node_id": msg.metadata.src_node_id, "error": msg.error.reason})
+        node = msg.metadata.src_node_id
+        if node in rejected:
+            entry = {"node_id": node, "error": rejected[node]}
+            if not msg.has_error() and msg.content.metric_records:
+                entry["partition-id"] = next(iter(msg.content.metric_records.values())).get("partition-id")
+            clients.append(entry)
             continue
         metrics = dict(next(iter(msg.content.metric_records.values())))
-        metrics["node_id"] = msg.metadata.src_node_id
+        metrics["node_id"] = node
         clients.append(metrics)
     ok = [c for c in clients if "error" not in c]
     total = {k: sum(c.get(k, 0) for c in ok) for k in COUNTERS}
@@ -101,6 +108,25 @@ def _round_record(server_round: int, lr: float, replies, aggregated: bool) -> di
     return record
 
 
+def discover_partitions(grid: Grid, expected: int, timeout: float = 120.0) -> dict[int, int]:
+    """Ask every connected node for its partition id (one query message each) → {node id: partition id}.
+
+    Nodes that do not answer within ``timeout`` seconds are simply left out (they sort last when sampling).
+    """
+    deadline = time.monotonic() + timeout
+    while len(list(grid.get_node_ids())) < expected and time.monotonic() < deadline:
+        time.sleep(0.5)
+    messages = [Message(content=RecordDict({"config": ConfigRecord({})}), message_type=MessageType.QUERY,
+                        dst_node_id=node) for node in grid.get_node_ids()]
+    mapping = {}
+    for reply in grid.send_and_receive(messages, timeout=timeout):
+        if not reply.has_error():
+            pid = int(next(iter(reply.content.metric_records.values()))["partition-id"])
+            if pid >= 0:
+                mapping[reply.metadata.src_node_id] = pid
+    return mapping
+
+
 def run_server(grid: Grid, cfg: RunConfig, on_round: Callable[[dict], None] | None = None) -> list[dict]:
     """Run (or resume) a SPEAR federation to ``cfg.rounds`` rounds; returns every round record.
 
@@ -124,14 +150,16 @@ def run_server(grid: Grid, cfg: RunConfig, on_round: Callable[[dict], None] | No
         wall = time.perf_counter() - t0
         run.save_adapter(0, arrays, evaluator.peft_config())
         record = {"round": 0, "eval": metrics, "seconds": {"evaluate": metrics["seconds_evaluate"]},
-                  "wall_clock": wall, "dtype": evaluator.dtype_used,
+                  "wall_clock": wall, "dtype": evaluator.dtype_used, "skipped_eval_records": len(evaluator.skipped),
                   "peak_rss_mb": {"server": peak_rss_mb()}}
         run.append(record)
         records.append(record)
         if on_round:
             on_round(record)
 
-    strategy = WinWeightedFedAvg(cfg.clients_per_round, cfg.num_clients, seed=cfg.seed)
+    strategy = WinWeightedFedAvg(cfg.clients_per_round, cfg.num_clients, seed=cfg.seed,
+                                 max_update_norm=cfg.max_update_norm, rule=cfg.aggregation, trim_beta=cfg.trim_beta)
+    strategy.partition_of = discover_partitions(grid, cfg.num_clients)
     payload = json.dumps(cfg.to_dict())
     for server_round in range(last + 1, cfg.rounds + 1):
         t_round = time.perf_counter()
@@ -142,14 +170,11 @@ def run_server(grid: Grid, cfg: RunConfig, on_round: Callable[[dict], None] | No
         replies = list(grid.send_and_receive(messages, timeout=cfg.round_timeout))
         t_recv = time.perf_counter()
         new_arrays, _ = strategy.aggregate_train(server_round, replies)
-        aggregated = new_arrays is not None and any(
-            not msg.has_error() and next(iter(msg.content.metric_records.values()))["num-wins"] > 0
-            for msg in replies
-        )
+        aggregated = strategy.last_aggregated
         if new_arrays is not None:
             arrays = from_record(new_arrays)
         t_agg = time.perf_counter()
-        record = _round_record(server_round, lr, replies, aggregated)
+        record = _round_record(server_round, lr, replies, aggregated, strategy.rejected)
         client_seconds = sum(c.get("seconds_generate_initial", 0) + c.get("seconds_generate_revisions", 0)
                              + c.get("seconds_train", 0) for c in record["clients"] if "error" not in c)
         record["seconds"]["aggregate"] = t_agg - t_recv

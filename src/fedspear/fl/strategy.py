@@ -5,7 +5,13 @@
 win_weighted_average`` (float64 accumulation, fresh arrays). **Decision (SPEC §4):** when every sampled client has
 zero wins, Flower's FedAvg would divide by zero; we keep the global adapter unchanged instead.
 
-Client sampling is seeded per round over the *sorted* node ids so a run is reproducible.
+Before aggregation every reply is checked (``fedspear.validation.check_reply``: names, shapes, dtypes, finite
+values, non-negative integer counters, optional update-norm bound); a failing reply is excluded and logged with its
+node id and reason, and the round goes on. For untrusted populations the unweighted robust rules of Flower's FedMedian
+and FedTrimmedAvg (``flwr.server.strategy.aggregate``) can replace the weighted mean.
+
+Client sampling is seeded per round over the nodes ordered by their partition id (learnt once through a query
+message), so a resumed run samples the same clients as an uninterrupted one.
 """
 
 from __future__ import annotations
@@ -19,7 +25,12 @@ from flwr.app import Array, ArrayRecord, ConfigRecord, Message, MessageType, Met
 from flwr.serverapp import Grid
 from flwr.serverapp.strategy import FedAvg
 
+from flwr.server.strategy.aggregate import aggregate_median, aggregate_trimmed_avg
+
 from fedspear.aggregation import win_weighted_average
+from fedspear.validation import check_reply
+
+RULES = ("fedavg", "median", "trimmed_mean")
 
 WEIGHT_KEY = "num-wins"
 log = logging.getLogger("fedspear")
@@ -56,7 +67,10 @@ class WinWeightedFedAvg(FedAvg):
         wait_seconds: how long to wait for enough nodes before raising (never forever).
     """
 
-    def __init__(self, clients_per_round: int, min_available_nodes: int, seed: int = 0, wait_seconds: float = 300):
+    def __init__(self, clients_per_round: int, min_available_nodes: int, seed: int = 0, wait_seconds: float = 300,
+                 max_update_norm: float | None = None, rule: str = "fedavg", trim_beta: float = 0.2):
+        if rule not in RULES:
+            raise ValueError(f"aggregation rule must be one of {', '.join(RULES)} (got {rule!r})")
         super().__init__(
             fraction_train=1.0,
             fraction_evaluate=0.0,
@@ -68,8 +82,14 @@ class WinWeightedFedAvg(FedAvg):
         self.clients_per_round = clients_per_round
         self.seed = seed
         self.wait_seconds = wait_seconds
+        self.max_update_norm = max_update_norm
+        self.rule = rule
+        self.trim_beta = trim_beta
+        self.partition_of: dict[int, int] = {}  # node id → partition id (see ``discover_partitions``)
         self.current_arrays: ArrayRecord | None = None
         self.last_replies: list[Message] = []
+        self.rejected: dict[int, str] = {}  # node id → reason, for the last round
+        self.last_aggregated = False
 
     def sample(self, grid: Grid, server_round: int) -> list[int]:
         """Seeded sample of ``clients_per_round`` node ids; waits at most ``wait_seconds`` for enough nodes.
@@ -86,6 +106,7 @@ class WinWeightedFedAvg(FedAvg):
                 )
             log.info("waiting for nodes: %d connected, %d required", len(nodes), self.min_available_nodes)
             time.sleep(1)
+        nodes.sort(key=lambda n: (self.partition_of.get(n, float("inf")), n))
         rng = random.Random(self.seed * 1_000_003 + server_round)
         return rng.sample(nodes, self.clients_per_round)
 
@@ -101,17 +122,47 @@ class WinWeightedFedAvg(FedAvg):
     def aggregate_train(
         self, server_round: int, replies: Iterable[Message]
     ) -> tuple[ArrayRecord | None, MetricRecord | None]:
-        """Win-weighted average of the replies' adapters; θ^(t) unchanged when no sampled client won anything."""
+        """Check each reply, then aggregate the accepted ones (θ^(t) unchanged when none has a win).
+
+        Error replies (the client raised or timed out) and rejected replies are excluded and logged; their node ids
+        and reasons are in ``self.rejected``. Returns ``(None, None)`` when nothing is left to aggregate.
+        """
         self.last_replies = list(replies)
-        valid, _ = self._check_and_log_replies(self.last_replies, is_train=True)
-        if not valid:
+        self.rejected, self.last_aggregated = {}, False
+        reference = from_record(self.current_arrays) if self.current_arrays is not None else None
+        accepted = []
+        for msg in self.last_replies:
+            node = msg.metadata.src_node_id
+            if msg.has_error():
+                self.rejected[node] = f"client error: {msg.error.reason}"
+            elif len(msg.content.array_records) != 1 or len(msg.content.metric_records) != 1:
+                self.rejected[node] = "reply must hold exactly one ArrayRecord and one MetricRecord"
+            else:
+                arrays = from_record(next(iter(msg.content.array_records.values())))
+                metrics = dict(next(iter(msg.content.metric_records.values())))
+                reason = check_reply(reference if reference is not None else arrays, arrays, metrics,
+                                     self.max_update_norm)
+                if reason:
+                    self.rejected[node] = reason
+                else:
+                    accepted.append((arrays, metrics, msg.content))
+        for node, reason in self.rejected.items():
+            log.warning("round %d: reply of node %d excluded: %s", server_round, node, reason)
+        if not accepted:
             return None, None
-        contents = [msg.content for msg in valid]
-        metrics = self.train_metrics_aggr_fn(contents, self.weighted_by_key)
-        wins = [int(next(iter(c.metric_records.values()))[WEIGHT_KEY]) for c in contents]
-        clients = [from_record(next(iter(c.array_records.values()))) for c in contents]
-        reference = from_record(self.current_arrays) if self.current_arrays is not None else clients[0]
-        averaged, aggregated = win_weighted_average(reference, clients, wins)
-        if not aggregated:
-            log.warning("round %d: no sampled client has a win; global adapter kept unchanged", server_round)
-        return to_record(averaged), metrics
+        metrics = self.train_metrics_aggr_fn([c for _, _, c in accepted], self.weighted_by_key)
+        clients = [a for a, _, _ in accepted]
+        wins = [int(m[WEIGHT_KEY]) for _, m, _ in accepted]
+        if reference is None:
+            reference = clients[0]
+        if sum(wins) == 0:
+            log.warning("round %d: no accepted client has a win; global adapter kept unchanged", server_round)
+            return to_record(reference), metrics
+        self.last_aggregated = True
+        if self.rule == "fedavg":
+            averaged, _ = win_weighted_average(reference, clients, wins)
+            return to_record(averaged), metrics
+        names = list(reference)
+        lists = [([a[n] for n in names], 1) for a in clients]
+        robust = aggregate_median(lists) if self.rule == "median" else aggregate_trimmed_avg(lists, self.trim_beta)
+        return to_record({n: np.asarray(v, dtype=reference[n].dtype) for n, v in zip(names, robust)}), metrics

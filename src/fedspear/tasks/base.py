@@ -8,7 +8,8 @@ A task module provides:
 - ``NAME`` (str), ``HUB_ID`` (str, the Hugging Face dataset id used when loading online), ``TRAIN_SPLIT`` /
   ``EVAL_SPLIT`` (split names), ``MAX_NEW_TOKENS`` (int, generation budget per attempt, tokens),
   ``MAX_LOSE_RATIO`` (int, SPEC §3), ``MULTIPLE_CHOICE`` (bool: log-likelihood accuracy applies).
-- ``load(split, data_dir=None, source="offline") -> list[Example]``
+- ``load(split, data_dir=None, source="offline", skipped=None) -> list[Example]``; with a ``skipped`` list, malformed
+  records are skipped and their messages (file:line and field) appended to it instead of raising.
 - ``prompt(example) -> str``: the initial user message c0 (paper appendix "Prompt Format").
 - ``feedback(example, completion) -> str``: the oracle's partial feedback for a wrong completion (SPEC §2).
 - ``extract_answer(completion, example) -> str | None``: the final answer label, or None.
@@ -20,7 +21,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterator, Mapping
+from typing import Any, Callable, Iterable, Iterator, Mapping
 
 
 class DataError(ValueError):
@@ -53,11 +54,14 @@ class Example:
         return self.labels.index(self.gold)
 
 
-def read_jsonl(path: Path) -> Iterator[tuple[int, dict[str, Any]]]:
+def read_jsonl(path: Path, skipped: list[str] | None = None) -> Iterator[tuple[int, dict[str, Any]]]:
     """Yield ``(line_number, record)`` for each non-empty line of a JSON Lines file (1-based line numbers).
 
+    Args:
+        skipped: if a list is given, lines that are not JSON objects are skipped and their error messages appended
+            to it instead of raising.
     Raises:
-        DataError: the file is missing, or a line is not a JSON object (names file and line).
+        DataError: the file is missing, or (without ``skipped``) a line is not a JSON object (names file and line).
     """
     path = Path(path)
     if not path.is_file():
@@ -69,10 +73,29 @@ def read_jsonl(path: Path) -> Iterator[tuple[int, dict[str, Any]]]:
             try:
                 record = json.loads(line)
             except json.JSONDecodeError as err:
-                raise DataError(f"{path}:{lineno}: not valid JSON ({err.msg})") from None
-            if not isinstance(record, dict):
-                raise DataError(f"{path}:{lineno}: expected a JSON object, got {type(record).__name__}")
+                record = DataError(f"{path}:{lineno}: not valid JSON ({err.msg})")
+            if not isinstance(record, (dict, DataError)):
+                record = DataError(f"{path}:{lineno}: expected a JSON object, got {type(record).__name__}")
+            if isinstance(record, DataError):
+                if skipped is None:
+                    raise record
+                skipped.append(str(record))
+                continue
             yield lineno, record
+
+
+def collect(parse: Callable[..., Example], rows: Iterable[tuple], skipped: list[str] | None = None) -> list[Example]:
+    """``[parse(*args) for args in rows]``; with a ``skipped`` list, a record raising DataError is skipped and its
+    message appended to ``skipped`` (so a caller can count and report bad records) instead of raising."""
+    out = []
+    for args in rows:
+        try:
+            out.append(parse(*args))
+        except DataError as err:
+            if skipped is None:
+                raise
+            skipped.append(str(err))
+    return out
 
 
 def require(record: Mapping[str, Any], key: str, kind: type | tuple[type, ...], where: str) -> Any:

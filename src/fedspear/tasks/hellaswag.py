@@ -32,7 +32,7 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
-from fedspear.tasks.base import DataError, Example, read_jsonl, require
+from fedspear.tasks.base import collect, DataError, Example, read_jsonl, require
 from fedspear.tasks.common import (
     LETTERS,
     check_not_correct,
@@ -104,7 +104,8 @@ def olmes_preprocess(text: str) -> str:
     return text
 
 
-def load(split: str, data_dir: str | Path | None = None, source: str = "offline") -> list[Example]:
+def load(split: str, data_dir: str | Path | None = None, source: str = "offline",
+         skipped: list[str] | None = None) -> list[Example]:
     """The HellaSwag ``split`` ("train" or "validation") as Examples.
 
     Args:
@@ -120,11 +121,11 @@ def load(split: str, data_dir: str | Path | None = None, source: str = "offline"
     check_split(split, SPLITS, NAME)
     if source == "hub":
         rows = load_hub_split(HUB_ID, split)
-        return [parse_record(row, f"{HUB_ID}[{split}]:{i}", split) for i, row in enumerate(rows)]
+        return collect(parse_record, ((row, f"{HUB_ID}[{split}]:{i}", split) for i, row in enumerate(rows)), skipped)
     if source != "offline":
         raise ValueError(f"unknown source {source!r}; choose one of: offline, hub")
     path = data_root(data_dir) / NAME / SPLIT_FILES[split]
-    return [parse_record(record, f"{path}:{lineno}", split) for lineno, record in read_jsonl(path)]
+    return collect(parse_record, ((record, f"{path}:{lineno}", split) for lineno, record in read_jsonl(path, skipped)), skipped)
 
 
 def parse_record(record: dict, where: str, split: str) -> Example:

@@ -44,7 +44,7 @@ from collections import defaultdict
 from pathlib import Path
 from typing import Any, Iterable
 
-from fedspear.tasks.base import DataError, Example, read_jsonl, require
+from fedspear.tasks.base import collect, DataError, Example, read_jsonl, require
 from fedspear.tasks.common import (
     LETTERS,
     check_not_correct,
@@ -227,7 +227,8 @@ def derive_split(records: Iterable[tuple[str, dict[str, Any]]]) -> list[dict[str
 # The task API
 
 
-def load(split: str, data_dir: str | Path | None = None, source: str = "offline") -> list[Example]:
+def load(split: str, data_dir: str | Path | None = None, source: str = "offline",
+         skipped: list[str] | None = None) -> list[Example]:
     """The ``split`` ("train" or "test") as Examples.
 
     Args:
@@ -245,18 +246,18 @@ def load(split: str, data_dir: str | Path | None = None, source: str = "offline"
     check_split(split, SPLITS, NAME)
     if source == "hub":
         rows = load_hub_split(HUB_ID, split)
-        return [parse_record(row, f"{HUB_ID}[{split}]:{i}", f"{split}-{i}") for i, row in enumerate(rows)]
+        return collect(parse_record, ((row, f"{HUB_ID}[{split}]:{i}", f"{split}-{i}") for i, row in enumerate(rows)), skipped)
     if source != "offline":
         raise ValueError(f"unknown source {source!r}; choose one of: offline, hub")
     root = data_root(data_dir)
     path = root / NAME / f"{split}.jsonl"
     if path.is_file() or data_dir is None:
-        return [parse_record(record, f"{path}:{lineno}", f"{split}-{lineno}") for lineno, record in read_jsonl(path)]
+        return collect(parse_record, ((record, f"{path}:{lineno}", f"{split}-{lineno}") for lineno, record in read_jsonl(path, skipped)), skipped)
     math_path = root / MATH_DIR / f"{split}.jsonl"
     if not math_path.is_file():
         raise DataError(f"{path}: data file not found (nor {math_path} to derive it from)")
-    derived = derive_split((f"{math_path}:{lineno}", record) for lineno, record in read_jsonl(math_path))
-    return [parse_record(record, f"{math_path} ({record['unique_id']})", record["unique_id"]) for record in derived]
+    derived = derive_split((f"{math_path}:{lineno}", record) for lineno, record in read_jsonl(math_path, skipped))
+    return collect(parse_record, ((record, f"{math_path} ({record['unique_id']})", record["unique_id"]) for record in derived), skipped)
 
 
 def parse_record(record: dict, where: str, default_uid: str) -> Example:

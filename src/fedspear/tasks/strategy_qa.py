@@ -26,7 +26,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from fedspear.tasks.base import DataError, Example, read_jsonl, require
+from fedspear.tasks.base import collect, DataError, Example, read_jsonl, require
 from fedspear.tasks.common import (
     STANDALONE_YES_NO_RE,
     check_not_correct,
@@ -73,7 +73,8 @@ FEEDBACK_TEMPLATE = (
 )
 
 
-def load(split: str, data_dir: str | Path | None = None, source: str = "offline") -> list[Example]:
+def load(split: str, data_dir: str | Path | None = None, source: str = "offline",
+         skipped: list[str] | None = None) -> list[Example]:
     """The StrategyQA ``split`` ("train" or "test", the ChilleD split) as Examples.
 
     Args:
@@ -89,11 +90,11 @@ def load(split: str, data_dir: str | Path | None = None, source: str = "offline"
     check_split(split, SPLITS, NAME)
     if source == "hub":
         rows = load_hub_split(HUB_ID, split)
-        return [parse_record(row, f"{HUB_ID}[{split}]:{i}") for i, row in enumerate(rows)]
+        return collect(parse_record, ((row, f"{HUB_ID}[{split}]:{i}") for i, row in enumerate(rows)), skipped)
     if source != "offline":
         raise ValueError(f"unknown source {source!r}; choose one of: offline, hub")
     path = data_root(data_dir) / NAME / f"{split}.jsonl"
-    return [parse_record(record, f"{path}:{lineno}") for lineno, record in read_jsonl(path)]
+    return collect(parse_record, ((record, f"{path}:{lineno}") for lineno, record in read_jsonl(path, skipped)), skipped)
 
 
 def parse_record(record: dict, where: str) -> Example:

@@ -1,0 +1,116 @@
+"""Crashes, dead and hostile clients through the real Flower simulation engine (subprocess runs of the CLI)."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+from safetensors.numpy import load_file
+
+pytestmark = pytest.mark.slow
+
+FEDSPEAR = str(Path(sys.executable).with_name("fedspear"))
+
+
+def _records(out: Path) -> list[dict]:
+    return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines() if line.strip()]
+
+
+def _adapter(out: Path, server_round: int) -> dict[str, np.ndarray]:
+    return load_file(str(out / "adapters" / f"round_{server_round:04d}" / "adapter_model.safetensors"))
+
+
+def test_faulty_clients_are_excluded_with_reasons_and_the_round_completes(tmp_path):
+    """Five clients in one round: 0 crashes, 1 sends NaN, 2 a wrong shape, 3 a huge update; 4 is healthy."""
+    out = tmp_path / "run"
+    env = dict(os.environ, FEDSPEAR_INJECT_FAULTS="0:raise,1:nan,2:shape,3:norm")
+    cmd = [FEDSPEAR, "run", "--model", "tiny-random", "--rounds", "1", "--clients", "5", "--clients-per-round", "5",
+           "--rollouts-per-round", "2", "--eval-size", "4", "--set", "max_update_norm=1000", "--set",
+           "max_new_tokens=4", "--set", "train_size=50", "-o", str(out)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=env)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    r1 = _records(out)[1]
+    assert r1["clients_ok"] == 1 and r1["clients_failed"] == 4
+    reasons = {c["partition-id"] if "partition-id" in c else "crash": c["error"] for c in r1["clients"] if "error" in c}
+    assert any("injected crash in client 0" in r for r in reasons.values())
+    assert "non-finite" in reasons[1] and "shape" in reasons[2] and "update norm" in reasons[3]
+    assert "excluded" in proc.stderr  # each exclusion is logged with node id and reason
+    final = _adapter(out, 1)
+    assert all(np.isfinite(v).all() for v in final.values())
+    start = _adapter(out, 0)
+    assert all(np.array_equal(final[k], start[k]) for k in start)  # the healthy client had no win: θ kept
+
+
+ARGS = ["--rounds", "3", "--clients", "2", "--clients-per-round", "1", "--rollouts-per-round", "4", "--eval-size", "4",
+        "--dtype", "fp32", "--set", "local_steps=2", "--set", "batch_size=2", "--set", "eval_every=3",
+        "--set", "train_size=40", "--set", "max_new_tokens=8", "--set", "lr=0.001"]
+VOLATILE = {"seconds", "wall_clock", "peak_rss_mb", "node_id", "seconds_generate_initial",
+            "seconds_generate_revisions", "seconds_train", "seconds_evaluate"}
+
+
+def _stable(value):
+    """A record without wall-clock, memory and node-id fields (they differ between any two runs)."""
+    if isinstance(value, dict):
+        return {k: _stable(v) for k, v in value.items() if k not in VOLATILE}
+    if isinstance(value, list):
+        return [_stable(v) for v in value]
+    return value
+
+
+def _descendants(pid: int) -> list[int]:
+    children: dict[int, list[int]] = {}
+    for status in Path("/proc").glob("[0-9]*/status"):
+        try:
+            fields = dict(line.split(":\t", 1) for line in status.read_text().splitlines() if ":\t" in line)
+            children.setdefault(int(fields["PPid"]), []).append(int(fields["Pid"]))
+        except (OSError, KeyError, ValueError):
+            continue
+    out, stack = [], [pid]
+    while stack:
+        for child in children.get(stack.pop(), []):
+            out.append(child)
+            stack.append(child)
+    return out
+
+
+def test_sigkill_mid_round_then_resume_equals_an_uninterrupted_run(tmp_path):
+    whole, killed = tmp_path / "whole", tmp_path / "killed"
+    proc = subprocess.run([FEDSPEAR, "run", *ARGS, "-o", str(whole)], capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+
+    run = subprocess.Popen([FEDSPEAR, "run", *ARGS, "-o", str(killed)], stdout=subprocess.DEVNULL,
+                           stderr=subprocess.DEVNULL, start_new_session=True)
+    deadline = time.time() + 600
+    while time.time() < deadline and not (
+        (killed / "metrics.jsonl").is_file() and any(r["round"] == 1 for r in _records(killed))
+    ):
+        time.sleep(0.5)
+    time.sleep(3)  # well inside round 2
+    assert run.poll() is None, "the run ended before it could be killed"
+    family = _descendants(run.pid)
+    os.killpg(run.pid, signal.SIGKILL)
+    for pid in family:  # Ray's processes too: the whole run dies at once
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    run.wait()
+    assert [r["round"] for r in _records(killed)] == [0, 1]
+
+    proc = subprocess.run([FEDSPEAR, "run", *ARGS, "-o", str(killed)], capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "resuming after round 1" in proc.stderr, proc.stderr[:3000]
+
+    a, b = _adapter(whole, 3), _adapter(killed, 3)
+    diff = max(float(np.max(np.abs(a[k] - b[k]))) for k in a)
+    print(f"resume equality: max |Δθ| = {diff:.3g}")
+    assert diff <= 1e-6
+    assert not all(np.array_equal(a[k], _adapter(whole, 0)[k]) for k in a)  # training did move the adapter
+    assert _stable(_records(whole)) == _stable(_records(killed))

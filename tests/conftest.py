@@ -61,3 +61,14 @@ def scripted():
 @pytest.fixture
 def always_right():
     return AlwaysRight()
+
+
+@pytest.fixture
+def task_identity():
+    """Outside a running ServerApp, Flower needs the process's task identity set to build messages."""
+    from flwr.supercore.task_identity import TaskIdentity
+
+    saved = (TaskIdentity._task_id, TaskIdentity._run_id, TaskIdentity._node_id)
+    TaskIdentity.task_id, TaskIdentity.run_id, TaskIdentity.node_id = 1, 1, 0
+    yield
+    TaskIdentity._task_id, TaskIdentity._run_id, TaskIdentity._node_id = saved

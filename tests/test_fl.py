@@ -11,16 +11,7 @@ from flwr.app import ConfigRecord, Context, Message, MessageType, MetricRecord, 
 from fedspear.config import RunConfig
 from fedspear.fl.strategy import WinWeightedFedAvg, from_record, to_record
 
-
-@pytest.fixture(autouse=True)
-def task_identity():
-    """Outside a running ServerApp, Flower needs the process's task identity set to build messages."""
-    from flwr.supercore.task_identity import TaskIdentity
-
-    saved = (TaskIdentity._task_id, TaskIdentity._run_id, TaskIdentity._node_id)
-    TaskIdentity.task_id, TaskIdentity.run_id, TaskIdentity.node_id = 1, 1, 0
-    yield
-    TaskIdentity._task_id, TaskIdentity._run_id, TaskIdentity._node_id = saved
+pytestmark = pytest.mark.usefixtures("task_identity")
 
 
 def _reply(delta: float, wins: int, base: np.ndarray) -> Message:

@@ -12,15 +12,7 @@ from fedspear.validation import check_reply, update_norm
 G = {"a": np.zeros((2, 3), np.float32), "b": np.ones(4, np.float32)}
 OK = {"num-wins": 3, "num-losses": 1, "prompts": 4, "tokens_generated": 40}
 
-
-@pytest.fixture(autouse=True)
-def task_identity():
-    from flwr.supercore.task_identity import TaskIdentity
-
-    saved = (TaskIdentity._task_id, TaskIdentity._run_id, TaskIdentity._node_id)
-    TaskIdentity.task_id, TaskIdentity.run_id, TaskIdentity.node_id = 1, 1, 0
-    yield
-    TaskIdentity._task_id, TaskIdentity._run_id, TaskIdentity._node_id = saved
+pytestmark = pytest.mark.usefixtures("task_identity")
 
 
 def test_a_well_formed_reply_passes():

@@ -165,16 +165,22 @@ def run_server(grid: Grid, cfg: RunConfig, on_round: Callable[[dict], None] | No
         t_round = time.perf_counter()
         lr = lr_at_round(server_round, cfg.rounds, cfg.lr, cfg.lr_min, cfg.warmup_ratio)
         config = ConfigRecord({"lr": lr, "fedspear-config": payload})
-        messages = strategy.configure_train(server_round, to_record(arrays), config, grid)
+        messages = list(strategy.configure_train(server_round, to_record(arrays), config, grid))
         t_send = time.perf_counter()
         replies = list(grid.send_and_receive(messages, timeout=cfg.round_timeout))
         t_recv = time.perf_counter()
+        silent = {m.metadata.dst_node_id for m in messages} - {r.metadata.src_node_id for r in replies}
+        for node in sorted(silent):
+            log.warning("round %d: node %d sent no reply within %.0f s (timed out or disconnected); dropped",
+                        server_round, node, cfg.round_timeout)
         new_arrays, _ = strategy.aggregate_train(server_round, replies)
         aggregated = strategy.last_aggregated
         if new_arrays is not None:
             arrays = from_record(new_arrays)
         t_agg = time.perf_counter()
         record = _round_record(server_round, lr, replies, aggregated, strategy.rejected)
+        record["clients"] += [{"node_id": n, "error": f"no reply within {cfg.round_timeout:.0f} s"} for n in sorted(silent)]
+        record["clients_failed"] += len(silent)
         client_seconds = sum(c.get("seconds_generate_initial", 0) + c.get("seconds_generate_revisions", 0)
                              + c.get("seconds_train", 0) for c in record["clients"] if "error" not in c)
         record["seconds"]["aggregate"] = t_agg - t_recv

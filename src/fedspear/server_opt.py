@@ -1,0 +1,318 @@
+"""Server optimisers FedAdam / FedYogi (Reddi et al. 2021, "Adaptive Federated Optimization", Alg. 2) on named numpy
+arrays, and the FedProx proximal term (Li et al. 2020) in torch. No Flower import (SPEC §4; STYLE habit 4).
+
+The federated layer aggregates the clients' adapters (:func:`fedspear.aggregation.win_weighted_average`), then calls
+:func:`fedadam_step` / :func:`fedyogi_step` with the broadcast adapter ``theta^(t)`` and the average; the server
+optimiser treats ``Delta = avg - theta^(t)`` as a pseudo-gradient (an ascent direction) and returns
+``theta^(t+1)``. When aggregation reports ``aggregated=False`` (no client won anything, SPEC §4 **Decision**) the
+caller keeps the adapter and skips the server step, so the moments are not decayed towards a zero update.
+
+Update (per tensor, elementwise), exactly as Flower 1.x implements it (``flwr/serverapp/strategy/fedopt.py``,
+``fedadam.py``, ``fedyogi.py``)::
+
+    Delta = avg - theta
+    m     = beta1 * m + (1 - beta1) * Delta                                  (m starts at 0)
+    v     = beta2 * v + (1 - beta2) * Delta**2                               FedAdam   (v starts at 0)
+    v     = v - (1 - beta2) * Delta**2 * sign(v - Delta**2)                  FedYogi
+    theta = theta + eta_t * m / (sqrt(v) + tau)
+
+- ``tau`` is added to ``sqrt(v)`` (Reddi et al.'s "degree of adaptivity"), not inside the square root.
+- FedAdam: ``eta_t = eta * sqrt(1 - beta2**(round + 1)) / (1 - beta1**(round + 1))``, Adam's bias correction
+  (Kingma & Ba 2015, the line before §2.1) as Flower applies it -- with Flower's exponent ``server_round + 1``
+  where ``server_round`` starts at 1, i.e. one step ahead of Kingma & Ba's ``t`` (the first update is scaled by
+  ``sqrt(1 - 0.99**2) / (1 - 0.9**2) = 0.742460``, not 1). ``bias_correction=False`` gives Reddi et al.'s Alg. 2,
+  which has none (``eta_t = eta``).
+- FedYogi: no bias correction (Flower and Reddi et al. agree), ``eta_t = eta``.
+- Both moments start at 0 (Flower), where Reddi et al.'s Alg. 2 allows ``v_{-1} >= tau**2``.
+
+Departures from Flower, all numerical only: the update is computed in float64 and each new tensor is cast back to the
+global tensor's dtype (Flower returns float64 arrays for float32 inputs under NumPy 2 promotion rules and keeps its
+moments in the input dtype); the moments are stored in float64. Results agree with Flower to float32 round-off for
+float32 adapters and exactly (1e-12) for float64 ones -- ``tests/test_server_opt.py`` runs Flower's own strategies.
+
+Paper values (appendix, FL-strategy paragraph): ``beta1 = 0.9``, ``beta2 = 0.99``, ``tau = 0.005``; FedProx
+``mu_prox = 1e-3``. The server learning rate ``eta`` is not given in the paper and is configurable.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+Arrays = Mapping[str, np.ndarray]
+
+STEP_KEY = "step"
+M_PREFIX = "m/"
+V_PREFIX = "v/"
+
+
+@dataclass
+class ServerOptState:
+    """Server-optimiser state: first and second moments per named tensor, and the number of updates taken.
+
+    Attributes:
+        m: name -> first moment (float64, the global tensor's shape). Empty before the first update (then zeros).
+        v: name -> second moment, same names and shapes as ``m``.
+        step: updates taken so far (0 before the first). FedAdam's bias correction uses ``step + 1`` as Flower's
+            ``server_round`` unless a round is given explicitly.
+
+    Checkpoint it with :func:`state_to_arrays` and restore with :func:`arrays_to_state`.
+    """
+
+    m: dict[str, np.ndarray] = field(default_factory=dict)
+    v: dict[str, np.ndarray] = field(default_factory=dict)
+    step: int = 0
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# Argument checks
+# ----------------------------------------------------------------------------------------------------------------------
+
+
+def _check_same_layout(reference: Arrays, other: Arrays, what: str, against: str = "the global adapter") -> None:
+    """Raise ValueError naming the first difference between two named-array dicts (names, then shapes)."""
+    missing = sorted(set(reference) - set(other))
+    extra = sorted(set(other) - set(reference))
+    if missing or extra:
+        more_missing = " ..." if len(missing) > 5 else ""
+        more_extra = " ..." if len(extra) > 5 else ""
+        raise ValueError(f"{what} does not hold the same tensors as {against}: missing {missing[:5]}{more_missing}, "
+                         f"unexpected {extra[:5]}{more_extra}")
+    for name, ref in reference.items():
+        if np.shape(other[name]) != np.shape(ref):
+            raise ValueError(f"{what}: tensor {name!r} has shape {np.shape(other[name])}, {against} has "
+                             f"{np.shape(ref)}")
+
+
+def _check_hyper(eta, beta1, beta2, tau) -> None:
+    checks = (
+        ("eta", eta, lambda x: x > 0, "> 0 (the server learning rate)"),
+        ("beta1", beta1, lambda x: 0 <= x < 1, "in [0, 1) (paper: 0.9)"),
+        ("beta2", beta2, lambda x: 0 <= x < 1, "in [0, 1) (paper: 0.99)"),
+        ("tau", tau, lambda x: x > 0, "> 0 (the adaptivity constant; paper: 0.005)"),
+    )
+    for name, value, ok, why in checks:
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or not ok(value):
+            raise ValueError(f"{name} must be a finite number {why}, got {value!r}")
+
+
+def _moments(state: ServerOptState, global_arrays: Arrays) -> tuple[dict[str, np.ndarray], dict[str, np.ndarray]]:
+    """The state's moments as float64 arrays, zeros if the state is fresh; ValueError if they do not fit."""
+    if not isinstance(state, ServerOptState):
+        raise ValueError(f"state must be a ServerOptState (ServerOptState() for a fresh one), got "
+                         f"{type(state).__name__}")
+    if not state.m and not state.v:
+        zeros = {name: np.zeros(np.shape(x), dtype=np.float64) for name, x in global_arrays.items()}
+        return zeros, {name: z.copy() for name, z in zeros.items()}
+    _check_same_layout(global_arrays, state.m, "server optimiser state m")
+    _check_same_layout(global_arrays, state.v, "server optimiser state v")
+    m = {name: np.asarray(state.m[name], dtype=np.float64) for name in global_arrays}
+    v = {name: np.asarray(state.v[name], dtype=np.float64) for name in global_arrays}
+    return m, v
+
+
+def _server_step(
+    rule: str,
+    global_arrays: Arrays,
+    averaged: Arrays,
+    state: ServerOptState,
+    eta: float,
+    beta1: float,
+    beta2: float,
+    tau: float,
+    server_round: int | None,
+    bias_correction: bool,
+) -> tuple[dict[str, np.ndarray], ServerOptState]:
+    _check_hyper(eta, beta1, beta2, tau)
+    _check_same_layout(global_arrays, averaged, "averaged adapter")
+    m, v = _moments(state, global_arrays)
+    if server_round is None:
+        server_round = state.step + 1
+    if isinstance(server_round, bool) or not isinstance(server_round, (int, np.integer)) or server_round < 1:
+        raise ValueError(f"server_round must be an integer >= 1 (Flower counts rounds from 1), got {server_round!r}")
+
+    if rule == "adam" and bias_correction:
+        t = float(server_round) + 1.0  # Flower's exponent: server_round + 1
+        eta_t = eta * math.sqrt(1.0 - beta2**t) / (1.0 - beta1**t)
+    else:
+        eta_t = eta
+
+    new_arrays, new_m, new_v = {}, {}, {}
+    for name, theta in global_arrays.items():
+        theta64 = np.asarray(theta, dtype=np.float64)
+        delta = np.asarray(averaged[name], dtype=np.float64) - theta64  # pseudo-gradient (ascent direction)
+        m_k = beta1 * m[name] + (1.0 - beta1) * delta
+        if rule == "adam":
+            v_k = beta2 * v[name] + (1.0 - beta2) * delta**2
+        else:  # yogi
+            v_k = v[name] - (1.0 - beta2) * delta**2 * np.sign(v[name] - delta**2)
+        new_arrays[name] = (theta64 + eta_t * m_k / (np.sqrt(v_k) + tau)).astype(np.asarray(theta).dtype)
+        new_m[name], new_v[name] = m_k, v_k
+    return new_arrays, ServerOptState(m=new_m, v=new_v, step=state.step + 1)
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# Public API
+# ----------------------------------------------------------------------------------------------------------------------
+
+
+def fedadam_step(
+    global_arrays: Arrays,
+    averaged: Arrays,
+    state: ServerOptState,
+    eta: float,
+    beta1: float = 0.9,
+    beta2: float = 0.99,
+    tau: float = 0.005,
+    *,
+    server_round: int | None = None,
+    bias_correction: bool = True,
+) -> tuple[dict[str, np.ndarray], ServerOptState]:
+    """One FedAdam server update (Reddi et al. 2021, Alg. 2; Flower's ``FedAdam.aggregate_train``).
+
+    Args:
+        global_arrays: ``theta^(t)``, the adapter broadcast this round (name -> array); fixes names, shapes, dtypes.
+        averaged: the aggregated client adapters, same names and shapes.
+        state: the moments from the previous call, or ``ServerOptState()`` for the first round. Not modified.
+        eta: server learning rate ``> 0`` (Flower's default 0.1; not given in the paper).
+        beta1, beta2, tau: paper values 0.9, 0.99, 0.005 (see the module docstring for where ``tau`` enters).
+        server_round: Flower's 1-based round number for the bias correction; default ``state.step + 1`` (equal to
+            Flower's when every round aggregates). Pass the real round if some rounds skipped the server step and you
+            want Flower's schedule exactly.
+        bias_correction: Flower's ``eta_t = eta sqrt(1 - beta2^(round+1)) / (1 - beta1^(round+1))`` (default); False
+            for Reddi et al.'s Alg. 2 as printed (``eta_t = eta``).
+
+    Returns:
+        ``(new_arrays, new_state)``: fresh arrays in the global dtypes (computed in float64) and a new state with
+        float64 moments and ``step + 1``.
+
+    Raises:
+        ValueError: names/shapes of ``averaged`` or the state differ from ``global_arrays`` (the tensor is named); a
+            hyper-parameter is out of range; ``server_round < 1``.
+    """
+    return _server_step("adam", global_arrays, averaged, state, eta, beta1, beta2, tau, server_round,
+                        bias_correction)
+
+
+def fedyogi_step(
+    global_arrays: Arrays,
+    averaged: Arrays,
+    state: ServerOptState,
+    eta: float,
+    beta1: float = 0.9,
+    beta2: float = 0.99,
+    tau: float = 0.005,
+) -> tuple[dict[str, np.ndarray], ServerOptState]:
+    """One FedYogi server update (Reddi et al. 2021, Alg. 2; Flower's ``FedYogi.aggregate_train``).
+
+    ``v = v - (1 - beta2) Delta^2 sign(v - Delta^2)`` (Yogi, Zaheer et al. 2018): ``v`` moves towards ``Delta^2``
+    additively, so it grows like Adam's but shrinks more slowly. No bias correction (``eta_t = eta``).
+    Arguments, returns and errors as :func:`fedadam_step` (Flower's FedYogi default ``eta`` is 0.01).
+    """
+    return _server_step("yogi", global_arrays, averaged, state, eta, beta1, beta2, tau, None, False)
+
+
+def state_to_arrays(state: ServerOptState) -> dict[str, np.ndarray]:
+    """The state as named arrays for a checkpoint: ``"m/<name>"``, ``"v/<name>"`` (float64 copies) and ``"step"``
+    (a 0-d int64 array). Tensor names may contain ``/`` and ``.``: only the first prefix is structural."""
+    if not isinstance(state, ServerOptState):
+        raise ValueError(f"state must be a ServerOptState, got {type(state).__name__}")
+    if set(state.m) != set(state.v):
+        raise ValueError(f"state.m and state.v must name the same tensors, got {sorted(state.m)[:5]} and "
+                         f"{sorted(state.v)[:5]}")
+    out: dict[str, np.ndarray] = {STEP_KEY: np.asarray(state.step, dtype=np.int64)}
+    for name in state.m:
+        out[M_PREFIX + name] = np.array(state.m[name], dtype=np.float64, copy=True)
+        out[V_PREFIX + name] = np.array(state.v[name], dtype=np.float64, copy=True)
+    return out
+
+
+def arrays_to_state(arrays: Mapping[str, np.ndarray]) -> ServerOptState:
+    """Inverse of :func:`state_to_arrays` (copies the arrays).
+
+    Raises:
+        ValueError: no ``"step"`` entry or a negative / non-integer one; a key without the ``m/`` or ``v/`` prefix;
+            ``m`` and ``v`` naming different tensors or with different shapes.
+    """
+    if STEP_KEY not in arrays:
+        raise ValueError(f"server optimiser checkpoint has no {STEP_KEY!r} entry (keys: {sorted(arrays)[:5]})")
+    step = np.asarray(arrays[STEP_KEY])
+    if step.shape != () or not np.issubdtype(step.dtype, np.integer) or int(step) < 0:
+        raise ValueError(f"server optimiser checkpoint: {STEP_KEY!r} must be a non-negative integer scalar, got "
+                         f"{step!r}")
+    m, v = {}, {}
+    for key, value in arrays.items():
+        if key == STEP_KEY:
+            continue
+        if key.startswith(M_PREFIX):
+            m[key[len(M_PREFIX):]] = np.array(value, dtype=np.float64, copy=True)
+        elif key.startswith(V_PREFIX):
+            v[key[len(V_PREFIX):]] = np.array(value, dtype=np.float64, copy=True)
+        else:
+            raise ValueError(f"server optimiser checkpoint: unexpected key {key!r} (expected 'step', 'm/<name>' or "
+                             f"'v/<name>')")
+    _check_same_layout(m, v, "server optimiser checkpoint: v", against="its m")
+    return ServerOptState(m=m, v=v, step=int(step))
+
+
+def fedprox_term(
+    params: Sequence[torch.Tensor] | Mapping[str, torch.Tensor],
+    global_params: Sequence[torch.Tensor | np.ndarray] | Mapping[str, torch.Tensor | np.ndarray],
+    mu_prox: float,
+) -> torch.Tensor:
+    """FedProx proximal term (Li et al. 2020, Eq. 2): ``(mu_prox / 2) * sum_k ||theta_k - theta_g,k||^2``.
+
+    Added to each client's local loss so its adapter stays near the broadcast one (SPEC §4; paper ``mu_prox =
+    1e-3``). Only the trainable (LoRA) tensors are passed -- the frozen base weights never move. The global
+    tensors are detached copies taken at the start of the round; the gradient w.r.t. ``theta`` is
+    ``mu_prox (theta - theta_g)``.
+
+    Args:
+        params: the live trainable tensors, a sequence or a name -> tensor mapping.
+        global_params: ``theta^(t)`` in the same structure (same order, or same names), tensors or numpy arrays;
+            moved to each parameter's device.
+        mu_prox: ``>= 0``.
+
+    Returns:
+        Scalar tensor (float32 at least, on the first parameter's device), differentiable w.r.t. ``params``;
+        0 (still attached) when ``mu_prox = 0``.
+
+    Raises:
+        ValueError: ``mu_prox`` negative or not finite; the two structures differ in length, names or shapes.
+    """
+    if isinstance(mu_prox, bool) or not isinstance(mu_prox, (int, float)) or not math.isfinite(mu_prox) or mu_prox < 0:
+        raise ValueError(f"mu_prox must be a finite number >= 0 (paper: 1e-3), got {mu_prox!r}")
+    if isinstance(params, Mapping) != isinstance(global_params, Mapping):
+        raise ValueError("params and global_params must both be sequences or both be name -> tensor mappings")
+    if isinstance(params, Mapping):
+        missing = sorted(set(params) - set(global_params))
+        extra = sorted(set(global_params) - set(params))
+        if missing or extra:
+            raise ValueError(f"global_params does not hold the same tensors as params: missing {missing[:5]}, "
+                             f"unexpected {extra[:5]}")
+        pairs = [(name, params[name], global_params[name]) for name in params]
+    else:
+        params, global_params = list(params), list(global_params)
+        if len(params) != len(global_params):
+            raise ValueError(f"got {len(params)} parameters but {len(global_params)} global tensors; they pair up one "
+                             f"to one")
+        pairs = [(str(i), p, g) for i, (p, g) in enumerate(zip(params, global_params))]
+    if not pairs:
+        raise ValueError("fedprox_term needs at least one parameter tensor")
+
+    total = None
+    for name, p, g in pairs:
+        if not torch.is_tensor(p):
+            raise ValueError(f"parameter {name!r} must be a torch tensor, got {type(p).__name__}")
+        p = p if p.dtype in (torch.float32, torch.float64) else p.float()
+        g = torch.as_tensor(g).detach().to(device=p.device, dtype=p.dtype)
+        if g.shape != p.shape:
+            raise ValueError(f"tensor {name!r}: parameter has shape {tuple(p.shape)}, global copy has "
+                             f"{tuple(g.shape)}")
+        sq = (p - g).pow(2).sum()
+        total = sq if total is None else total + sq.to(total.dtype)
+    return 0.5 * float(mu_prox) * total

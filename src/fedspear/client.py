@@ -97,7 +97,8 @@ class Worker:
     def train_settings(self) -> TrainSettings:
         c = self.cfg
         return TrainSettings(c.local_steps, c.batch_size, c.grad_accum, c.lambda_w, c.lambda_l, c.mu, c.tau,
-                             c.normalization, c.max_lose_ratio)
+                             c.normalization, c.max_lose_ratio,
+                             prox_mu=c.mu_prox if c.strategy == "fedprox" else 0.0)
 
     def round(
         self,

@@ -133,8 +133,10 @@ class RunDir:
     def adapter_dir(self, server_round: int) -> Path:
         return self.path / "adapters" / f"round_{server_round:04d}"
 
-    def save_adapter(self, server_round: int, arrays: dict[str, np.ndarray], peft_config: dict | None) -> Path:
-        """Write the global adapter of ``server_round`` in peft's format, atomically."""
+    def save_adapter(self, server_round: int, arrays: dict[str, np.ndarray], peft_config: dict | None,
+                     server_state: dict[str, np.ndarray] | None = None) -> Path:
+        """Write the global adapter of ``server_round`` in peft's format, atomically, with the server-optimiser
+        state (FedAdam / FedYogi moments, ``server_state.safetensors``) in the same folder when given."""
         from safetensors.numpy import save_file
 
         target = self.adapter_dir(server_round)
@@ -142,11 +144,20 @@ class RunDir:
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir(parents=True)
         save_file({k: np.ascontiguousarray(v) for k, v in arrays.items()}, str(tmp / "adapter_model.safetensors"))
+        if server_state:
+            save_file({k: np.ascontiguousarray(v) for k, v in server_state.items()}, str(tmp / "server_state.safetensors"))
         if peft_config is not None:
             (tmp / "adapter_config.json").write_text(json.dumps(peft_config, indent=2, default=str))
         shutil.rmtree(target, ignore_errors=True)
         tmp.rename(target)
         return target
+
+    def load_server_state(self, server_round: int) -> dict[str, np.ndarray] | None:
+        """The server-optimiser state saved with round ``server_round``, or None when there is none."""
+        from safetensors.numpy import load_file
+
+        path = self.adapter_dir(server_round) / "server_state.safetensors"
+        return dict(load_file(str(path))) if path.is_file() else None
 
     def load_adapter(self, server_round: int) -> dict[str, np.ndarray]:
         """The saved global adapter of ``server_round``.

@@ -218,13 +218,13 @@ def fedyogi_step(
 
 def state_to_arrays(state: ServerOptState) -> dict[str, np.ndarray]:
     """The state as named arrays for a checkpoint: ``"m/<name>"``, ``"v/<name>"`` (float64 copies) and ``"step"``
-    (a 0-d int64 array). Tensor names may contain ``/`` and ``.``: only the first prefix is structural."""
+    (a 1-element int64 array: safetensors stores no 0-d tensors). Tensor names may contain ``/`` and ``.``: only the first prefix is structural."""
     if not isinstance(state, ServerOptState):
         raise ValueError(f"state must be a ServerOptState, got {type(state).__name__}")
     if set(state.m) != set(state.v):
         raise ValueError(f"state.m and state.v must name the same tensors, got {sorted(state.m)[:5]} and "
                          f"{sorted(state.v)[:5]}")
-    out: dict[str, np.ndarray] = {STEP_KEY: np.asarray(state.step, dtype=np.int64)}
+    out: dict[str, np.ndarray] = {STEP_KEY: np.asarray([state.step], dtype=np.int64)}
     for name in state.m:
         out[M_PREFIX + name] = np.array(state.m[name], dtype=np.float64, copy=True)
         out[V_PREFIX + name] = np.array(state.v[name], dtype=np.float64, copy=True)
@@ -241,6 +241,8 @@ def arrays_to_state(arrays: Mapping[str, np.ndarray]) -> ServerOptState:
     if STEP_KEY not in arrays:
         raise ValueError(f"server optimiser checkpoint has no {STEP_KEY!r} entry (keys: {sorted(arrays)[:5]})")
     step = np.asarray(arrays[STEP_KEY])
+    if step.shape == (1,):
+        step = step.reshape(())
     if step.shape != () or not np.issubdtype(step.dtype, np.integer) or int(step) < 0:
         raise ValueError(f"server optimiser checkpoint: {STEP_KEY!r} must be a non-negative integer scalar, got "
                          f"{step!r}")

@@ -23,6 +23,7 @@ import torch
 from . import losses as L
 from .interaction import Trace
 from .model import autocast
+from .server_opt import fedprox_term
 
 
 def lr_at_round(server_round: int, total_rounds: int, lr: float, lr_min: float, warmup_ratio: float = 0.1) -> float:
@@ -60,6 +61,7 @@ class TrainSettings:
         normalization: "token" (default) or "sequence" (SPEC §3).
         max_lose_ratio: cap |L| ≤ ratio · |W| by seeded subsampling (SPEC §3).
         max_grad_norm: gradient clipping norm.
+        prox_mu: FedProx proximal weight μ_prox (0 = plain local training; Li et al. 2020, Eq. 2).
     """
 
     local_steps: int = 5
@@ -72,6 +74,7 @@ class TrainSettings:
     normalization: str = "token"
     max_lose_ratio: int = 2
     max_grad_norm: float = 1.0
+    prox_mu: float = 0.0
 
 
 @dataclass
@@ -186,6 +189,7 @@ def local_train(
     losses = cap_losses(losses, len(wins), settings.max_lose_ratio, seed) if use_lose else []
     stats["lose_used"] = len(losses)
     params = [p for p in model.parameters() if p.requires_grad]
+    anchor = [p.detach().clone() for p in params] if settings.prox_mu else None  # θ^(t) for FedProx
     optimizer = torch.optim.AdamW(params, lr=lr, weight_decay=0.0)
     rng = random.Random(seed)
     win_draw, lose_draw = _Cycler(wins, settings.batch_size, rng), _Cycler(losses, settings.batch_size, rng)
@@ -208,7 +212,10 @@ def local_train(
                 lambda_w=settings.lambda_w, lambda_l=settings.lambda_l if lb else 0.0, mu=settings.mu,
                 normalization=settings.normalization,
             )
-            (terms["loss"] / settings.grad_accum).backward()
+            loss = terms["loss"]
+            if anchor is not None:
+                loss = loss + fedprox_term(params, anchor, settings.prox_mu)
+            (loss / settings.grad_accum).backward()
             sums["loss"] += float(terms["loss"].detach()) / settings.grad_accum
             sums["loss_win"] += float(terms["win"].detach()) / settings.grad_accum
             sums["loss_lose"] += float(terms["lose"].detach()) / settings.grad_accum

@@ -25,6 +25,7 @@ from fedspear.fl.strategy import WinWeightedFedAvg, from_record, to_record
 from fedspear.model import LoraSettings, add_lora, get_adapter, load_base, set_adapter
 from fedspear.report import write_report
 from fedspear.rundir import RunDir
+from fedspear.server_opt import arrays_to_state, state_to_arrays
 from fedspear.tasks import get_task
 from fedspear.training import lr_at_round
 
@@ -157,8 +158,15 @@ def run_server(grid: Grid, cfg: RunConfig, on_round: Callable[[dict], None] | No
         if on_round:
             on_round(record)
 
-    strategy = WinWeightedFedAvg(cfg.clients_per_round, cfg.num_clients, seed=cfg.seed,
-                                 max_update_norm=cfg.max_update_norm, rule=cfg.aggregation, trim_beta=cfg.trim_beta)
+    strategy = WinWeightedFedAvg(
+        cfg.clients_per_round, cfg.num_clients, seed=cfg.seed, max_update_norm=cfg.max_update_norm,
+        rule=cfg.aggregation, trim_beta=cfg.trim_beta,
+        server_opt=cfg.strategy if cfg.strategy in ("fedadam", "fedyogi") else None, server_lr=cfg.server_lr,
+        beta1=cfg.server_beta1, beta2=cfg.server_beta2, tau=cfg.server_tau,
+    )
+    saved_state = run.load_server_state(last) if last else None
+    if saved_state:
+        strategy.opt_state = arrays_to_state(saved_state)
     strategy.partition_of = discover_partitions(grid, cfg.num_clients)
     payload = json.dumps(cfg.to_dict())
     for server_round in range(last + 1, cfg.rounds + 1):
@@ -196,7 +204,8 @@ def run_server(grid: Grid, cfg: RunConfig, on_round: Callable[[dict], None] | No
         wall += record["seconds"]["round"]
         record["wall_clock"] = wall
         record["peak_rss_mb"]["server"] = peak_rss_mb()
-        run.save_adapter(server_round, arrays, evaluator.peft_config())
+        state = state_to_arrays(strategy.opt_state) if strategy.server_opt else None
+        run.save_adapter(server_round, arrays, evaluator.peft_config(), server_state=state)
         run.append(record)
         records.append(record)
         if on_round:

@@ -28,6 +28,7 @@ from flwr.serverapp.strategy import FedAvg
 from flwr.server.strategy.aggregate import aggregate_median, aggregate_trimmed_avg
 
 from fedspear.aggregation import win_weighted_average
+from fedspear.server_opt import ServerOptState, fedadam_step, fedyogi_step
 from fedspear.validation import check_reply
 
 RULES = ("fedavg", "median", "trimmed_mean")
@@ -68,7 +69,9 @@ class WinWeightedFedAvg(FedAvg):
     """
 
     def __init__(self, clients_per_round: int, min_available_nodes: int, seed: int = 0, wait_seconds: float = 300,
-                 max_update_norm: float | None = None, rule: str = "fedavg", trim_beta: float = 0.2):
+                 max_update_norm: float | None = None, rule: str = "fedavg", trim_beta: float = 0.2,
+                 server_opt: str | None = None, server_lr: float = 1e-3, beta1: float = 0.9, beta2: float = 0.99,
+                 tau: float = 0.005):
         if rule not in RULES:
             raise ValueError(f"aggregation rule must be one of {', '.join(RULES)} (got {rule!r})")
         super().__init__(
@@ -89,6 +92,11 @@ class WinWeightedFedAvg(FedAvg):
         self.current_arrays: ArrayRecord | None = None
         self.last_replies: list[Message] = []
         self.rejected: dict[int, str] = {}  # node id → reason, for the last round
+        if server_opt not in (None, "fedadam", "fedyogi"):
+            raise ValueError(f"server optimiser must be fedadam or fedyogi (got {server_opt!r})")
+        self.server_opt = server_opt
+        self.server_hyper = dict(eta=server_lr, beta1=beta1, beta2=beta2, tau=tau)
+        self.opt_state = ServerOptState()  # FedAdam / FedYogi moments; checkpointed with each round's adapter
         self.last_aggregated = False
 
     def sample(self, grid: Grid, server_round: int) -> list[int]:
@@ -161,8 +169,12 @@ class WinWeightedFedAvg(FedAvg):
         self.last_aggregated = True
         if self.rule == "fedavg":
             averaged, _ = win_weighted_average(reference, clients, wins)
-            return to_record(averaged), metrics
-        names = list(reference)
-        lists = [([a[n] for n in names], 1) for a in clients]
-        robust = aggregate_median(lists) if self.rule == "median" else aggregate_trimmed_avg(lists, self.trim_beta)
-        return to_record({n: np.asarray(v, dtype=reference[n].dtype) for n, v in zip(names, robust)}), metrics
+        else:
+            names = list(reference)
+            lists = [([a[n] for n in names], 1) for a in clients]
+            robust = aggregate_median(lists) if self.rule == "median" else aggregate_trimmed_avg(lists, self.trim_beta)
+            averaged = {n: np.asarray(v, dtype=reference[n].dtype) for n, v in zip(names, robust)}
+        if self.server_opt:  # FedAdam / FedYogi: the average is a pseudo-gradient step (Reddi et al. 2021)
+            step = fedadam_step if self.server_opt == "fedadam" else fedyogi_step
+            averaged, self.opt_state = step(reference, averaged, self.opt_state, **self.server_hyper)
+        return to_record(averaged), metrics

@@ -56,3 +56,28 @@ def test_too_many_clients_for_the_data():
     result = _run("--train-size", "5", "--clients", "10")
     assert result.exit_code == 2
     assert "num_clients = 10 exceeds the 5 train examples" in result.output
+
+
+def test_bench_quick_prints_every_figure(tmp_path):
+    """`fedspear bench --quick` on the tiny model: the JSON has every bound, throughput and round phase (speed is
+    not asserted; the figures for this machine are in docs/results/bench)."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    out = tmp_path / "bench.json"
+    cmd = [str(Path(sys.executable).with_name("fedspear")), "bench", "--model", "tiny-random", "--quick", "--json",
+           "--output", str(out)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    result = json.loads(out.read_text())
+    assert set(result["bounds"]) == {"matmul_flops_bf16", "matmul_flops_fp32", "memory_bandwidth_bytes_per_s"}
+    assert all(v > 0 for v in result["bounds"].values())
+    t = result["throughput"]
+    assert t["prefill"]["tokens_per_s"] > 0 and 0 < t["train"]["utilisation"]
+    assert set(t["decode"]) == {"batch_1", "batch_8", "batch_32"} and t["evaluate"]["items_per_s"] > 0
+    r = result["round"]
+    assert set(r["seconds"]) >= {"generate_initial", "generate_revisions", "train", "aggregate", "evaluate",
+                                 "flower_overhead", "round"}
+    assert r["seconds_per_client_round"] > 0 and r["counters"]["prompts"] == 2
+    assert "| prefill |" in out.with_suffix(".md").read_text()

@@ -179,6 +179,34 @@ def _run(cfg: RunConfig, verbose: bool) -> None:
     print(f"report: {Path(cfg.output_dir) / 'report.md'}  ({time.perf_counter() - start:.0f} s this invocation)")
 
 
+@app.command()
+def bench(
+    model: str = typer.Option("smollm2-135m", help="packaged name, local folder or hub id"),
+    dtype: str = typer.Option("auto", help="auto | bf16 | fp32"),
+    quick: bool = typer.Option(False, help="tiny sizes (seconds, not minutes): for tests"),
+    with_round: bool = typer.Option(True, "--round/--no-round", help="also time one full SPEAR round"),
+    as_json: bool = typer.Option(False, "--json", help="print JSON instead of tables"),
+    output: Optional[Path] = typer.Option(None, help="also write the JSON here (and a .md beside it)"),
+) -> None:
+    """Measure this machine's bounds, fedspear's throughputs against them, and one SPEAR round."""
+    import json
+
+    from .bench import render, run_bench
+    from .model import ModelError
+
+    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    try:
+        result = run_bench(model=model, dtype=dtype, quick=quick, round_=with_round)
+    except (ModelError, ValueError) as err:
+        _fail(str(err))
+    text = json.dumps(result, indent=2)
+    if output:
+        output.parent.mkdir(parents=True, exist_ok=True)
+        output.write_text(text + "\n")
+        output.with_suffix(".md").write_text(render(result))
+    print(text if as_json else render(result))
+
+
 def main() -> None:  # pragma: no cover - console entry
     app()
 

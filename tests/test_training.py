@@ -124,7 +124,8 @@ def test_nonfinite_gradient_skips_the_step(tiny, arc_items, always_right, monkey
 def test_core_runs_without_flower():
     """Habit 4 of STYLE.md: only fedspear.fl imports flwr."""
     code = ("import sys, fedspear.client, fedspear.training, fedspear.interaction, fedspear.evaluation, "
-            "fedspear.aggregation, fedspear.losses, fedspear.rundir, fedspear.report; "
+            "fedspear.aggregation, fedspear.losses, fedspear.rundir, fedspear.report, fedspear.validation, "
+            "fedspear.server_opt, fedspear.baseline_losses, fedspear.bench; "
             "bad = [m for m in sys.modules if m.split('.')[0] in ('flwr', 'flwr_datasets')]; "
             "assert not bad, bad")
     subprocess.run([sys.executable, "-c", code], check=True)

@@ -18,19 +18,19 @@ import numpy as np
 Arrays = Mapping[str, np.ndarray]
 
 
-def _check_same_layout(reference: Arrays, other: Arrays, what: str) -> None:
+def check_same_layout(reference: Arrays, other: Arrays, what: str, against: str = "the global adapter") -> None:
     """Raise ValueError naming the first difference between two named-array dicts (names, then shapes)."""
     missing = sorted(set(reference) - set(other))
     extra = sorted(set(other) - set(reference))
     if missing or extra:
         more_missing = " ..." if len(missing) > 5 else ""
         more_extra = " ..." if len(extra) > 5 else ""
-        raise ValueError(f"{what} does not hold the same tensors as the global adapter: missing {missing[:5]}"
-                         f"{more_missing}, unexpected {extra[:5]}{more_extra}")
+        raise ValueError(f"{what} does not hold the same tensors as {against}: missing {missing[:5]}{more_missing}, "
+                         f"unexpected {extra[:5]}{more_extra}")
     for name, ref in reference.items():
         shape = np.shape(other[name])
         if shape != np.shape(ref):
-            raise ValueError(f"{what}: tensor {name!r} has shape {shape}, the global adapter has {np.shape(ref)}")
+            raise ValueError(f"{what}: tensor {name!r} has shape {shape}, {against} has {np.shape(ref)}")
 
 
 def win_weighted_average(
@@ -60,7 +60,7 @@ def win_weighted_average(
     if not np.all(np.isfinite(weights)) or np.any(weights < 0):
         raise ValueError(f"win counts must be finite and >= 0, got {list(num_wins)}")
     for k, arrays in enumerate(client_arrays):
-        _check_same_layout(global_arrays, arrays, f"client {k}'s update")
+        check_same_layout(global_arrays, arrays, f"client {k}'s update")
 
     total = float(weights.sum())
     if total == 0.0:
@@ -85,7 +85,7 @@ def pseudo_gradient(global_arrays: Arrays, averaged: Arrays) -> dict[str, np.nda
     Raises:
         ValueError: names or shapes of ``averaged`` differ from ``global_arrays``.
     """
-    _check_same_layout(global_arrays, averaged, "averaged adapter")
+    check_same_layout(global_arrays, averaged, "averaged adapter")
     return {
         name: (np.asarray(averaged[name], dtype=np.float64) - np.asarray(theta, dtype=np.float64)).astype(
             np.asarray(theta).dtype

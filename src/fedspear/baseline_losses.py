@@ -37,6 +37,8 @@ from collections.abc import Sequence
 
 import torch
 
+from .losses import _as_mask, _at_least_float32, _check_2d  # shared argument checks
+
 GRPO_STD_EPS = 1e-4
 """Added to the group standard deviation in :func:`grpo_advantages` (SPEC §5; TRL's GRPOTrainer uses the same)."""
 
@@ -52,9 +54,6 @@ def _shape(x) -> object:
     return tuple(x.shape) if torch.is_tensor(x) else type(x).__name__
 
 
-def _check_2d(name: str, x: torch.Tensor) -> None:
-    if not torch.is_tensor(x) or x.dim() != 2:
-        raise ValueError(f"{name} must be a [B, T] tensor, got {_shape(x)}")
 
 
 def _check_same_2d(reference_name: str, reference: torch.Tensor, name: str, x: torch.Tensor) -> None:
@@ -64,15 +63,8 @@ def _check_same_2d(reference_name: str, reference: torch.Tensor, name: str, x: t
                          f"{tuple(reference.shape)}")
 
 
-def _as_mask(name: str, mask: torch.Tensor) -> torch.Tensor:
-    """A boolean view of ``mask``; integer/float 0-1 masks (e.g. a tokenizer's attention mask) are accepted."""
-    _check_2d(name, mask)
-    return mask if mask.dtype == torch.bool else mask != 0
 
 
-def _at_least_float32(x: torch.Tensor) -> torch.Tensor:
-    """Upcast half/bfloat16 to float32 (exp/log in bf16 lose ~3 significant digits); keep float32/float64."""
-    return x if x.dtype in (torch.float32, torch.float64) else x.float()
 
 
 def _as_float_tensor(name: str, x, like: torch.Tensor | None = None) -> torch.Tensor:

@@ -16,7 +16,6 @@ a hub id and is online.
 
 from __future__ import annotations
 
-import copy
 import hashlib
 import importlib.util
 import logging
@@ -277,7 +276,3 @@ def tiny_model(seed: int = 0):
     model.generation_config.pad_token_id = tokenizer.pad_token_id
     return model, tokenizer
 
-
-def clone_base(base):
-    """A deep copy of a base model (tests use it to compare against an untouched reference)."""
-    return copy.deepcopy(base)

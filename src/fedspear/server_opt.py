@@ -43,6 +43,8 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
+from .aggregation import check_same_layout
+
 Arrays = Mapping[str, np.ndarray]
 
 STEP_KEY = "step"
@@ -73,21 +75,6 @@ class ServerOptState:
 # ----------------------------------------------------------------------------------------------------------------------
 
 
-def _check_same_layout(reference: Arrays, other: Arrays, what: str, against: str = "the global adapter") -> None:
-    """Raise ValueError naming the first difference between two named-array dicts (names, then shapes)."""
-    missing = sorted(set(reference) - set(other))
-    extra = sorted(set(other) - set(reference))
-    if missing or extra:
-        more_missing = " ..." if len(missing) > 5 else ""
-        more_extra = " ..." if len(extra) > 5 else ""
-        raise ValueError(f"{what} does not hold the same tensors as {against}: missing {missing[:5]}{more_missing}, "
-                         f"unexpected {extra[:5]}{more_extra}")
-    for name, ref in reference.items():
-        if np.shape(other[name]) != np.shape(ref):
-            raise ValueError(f"{what}: tensor {name!r} has shape {np.shape(other[name])}, {against} has "
-                             f"{np.shape(ref)}")
-
-
 def _check_hyper(eta, beta1, beta2, tau) -> None:
     checks = (
         ("eta", eta, lambda x: x > 0, "> 0 (the server learning rate)"),
@@ -108,8 +95,8 @@ def _moments(state: ServerOptState, global_arrays: Arrays) -> tuple[dict[str, np
     if not state.m and not state.v:
         zeros = {name: np.zeros(np.shape(x), dtype=np.float64) for name, x in global_arrays.items()}
         return zeros, {name: z.copy() for name, z in zeros.items()}
-    _check_same_layout(global_arrays, state.m, "server optimiser state m")
-    _check_same_layout(global_arrays, state.v, "server optimiser state v")
+    check_same_layout(global_arrays, state.m, "server optimiser state m")
+    check_same_layout(global_arrays, state.v, "server optimiser state v")
     m = {name: np.asarray(state.m[name], dtype=np.float64) for name in global_arrays}
     v = {name: np.asarray(state.v[name], dtype=np.float64) for name in global_arrays}
     return m, v
@@ -128,7 +115,7 @@ def _server_step(
     bias_correction: bool,
 ) -> tuple[dict[str, np.ndarray], ServerOptState]:
     _check_hyper(eta, beta1, beta2, tau)
-    _check_same_layout(global_arrays, averaged, "averaged adapter")
+    check_same_layout(global_arrays, averaged, "averaged adapter")
     m, v = _moments(state, global_arrays)
     if server_round is None:
         server_round = state.step + 1
@@ -257,7 +244,7 @@ def arrays_to_state(arrays: Mapping[str, np.ndarray]) -> ServerOptState:
         else:
             raise ValueError(f"server optimiser checkpoint: unexpected key {key!r} (expected 'step', 'm/<name>' or "
                              f"'v/<name>')")
-    _check_same_layout(m, v, "server optimiser checkpoint: v", against="its m")
+    check_same_layout(m, v, "server optimiser checkpoint: v", against="its m")
     return ServerOptState(m=m, v=v, step=int(step))
 
 

@@ -11,6 +11,7 @@ import sys
 import time
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 pytestmark = pytest.mark.slow
@@ -79,6 +80,16 @@ def test_run_writes_metrics_report_plots_and_resumes(tmp_path):
         adapter = out / "adapters" / f"round_{t:04d}"
         assert (adapter / "adapter_model.safetensors").stat().st_size > 1000
         assert json.loads((adapter / "adapter_config.json").read_text())["r"] == 16
+    # the saved adapter loads with peft as-is and holds the global adapter's values
+    from peft import PeftModel
+    from safetensors.numpy import load_file
+
+    from fedspear.model import get_adapter, load_base
+
+    base, _, _ = load_base("smollm2-135m", "fp32")
+    loaded = get_adapter(PeftModel.from_pretrained(base, out / "adapters" / "round_0002"))
+    saved = load_file(str(out / "adapters" / "round_0002" / "adapter_model.safetensors"))
+    assert set(loaded) == set(saved) and all(np.array_equal(loaded[k], saved[k]) for k in saved)
     report = (out / "report.md").read_text()
     assert "## Accuracy" in report and "| round 0 |" in report and "## Per round" in report
     for name in ("accuracy", "wall_clock", "interaction"):

@@ -147,7 +147,7 @@ class RunDir:
         if server_state:
             save_file({k: np.ascontiguousarray(v) for k, v in server_state.items()}, str(tmp / "server_state.safetensors"))
         if peft_config is not None:
-            (tmp / "adapter_config.json").write_text(json.dumps(peft_config, indent=2, default=str))
+            (tmp / "adapter_config.json").write_text(json.dumps(peft_config, indent=2, default=_json_default))
         shutil.rmtree(target, ignore_errors=True)
         tmp.rename(target)
         return target
@@ -174,6 +174,11 @@ class RunDir:
             return dict(load_file(str(path)))
         except Exception as err:  # safetensors raises its own error types for a damaged file
             raise RunDirError(f"{path}: adapter of round {server_round} unreadable ({err}); cannot resume") from None
+
+
+def _json_default(value: Any) -> Any:
+    """peft configs hold sets (``target_modules``): write them as sorted lists, as peft's own save does."""
+    return sorted(value) if isinstance(value, (set, frozenset)) else str(value)
 
 
 def _atomic_write(path: Path, text: str) -> None:

@@ -15,7 +15,7 @@ pytestmark = pytest.mark.usefixtures("task_identity")
 
 
 def _reply(delta: float, wins: int, base: np.ndarray) -> Message:
-    content = RecordDict({"arrays": to_record({"w": base + delta}), "metrics": MetricRecord({"num-wins": wins, "num-losses": 0, "prompts": 4})})
+    content = RecordDict({"arrays": to_record({"w": base + delta}), "metrics": MetricRecord({"weight": wins, "num-wins": wins, "num-losses": 0, "prompts": 4})})
     return Message(content=content, dst_node_id=0, message_type=MessageType.TRAIN)
 
 
@@ -109,7 +109,7 @@ def test_partition_id_out_of_range_is_a_clear_error():
 def test_no_raw_text_leaves_the_client(monkeypatch):
     """Wire privacy: the reply holds only LoRA tensors and numbers; no prompt, answer, hint or fact text appears in
     its serialised bytes (checked against every text the client saw or produced this round)."""
-    import fedspear.client as client_module
+    import fedspear.algorithms.spear as client_module
     from flwr.common.serde import recorddict_to_proto
 
     from fedspear.fl import client_app

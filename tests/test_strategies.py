@@ -16,7 +16,7 @@ pytestmark = pytest.mark.usefixtures("task_identity")
 
 def _reply(arrays, wins):
     content = RecordDict({"arrays": to_record(arrays),
-                          "metrics": MetricRecord({"num-wins": wins, "num-losses": 0, "prompts": 4})})
+                          "metrics": MetricRecord({"weight": wins, "num-wins": wins, "num-losses": 0, "prompts": 4})})
     return Message(content=content, dst_node_id=0, message_type=MessageType.TRAIN)
 
 

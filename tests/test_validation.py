@@ -10,7 +10,7 @@ from fedspear.fl.strategy import WinWeightedFedAvg, from_record, to_record
 from fedspear.validation import check_reply, update_norm
 
 G = {"a": np.zeros((2, 3), np.float32), "b": np.ones(4, np.float32)}
-OK = {"num-wins": 3, "num-losses": 1, "prompts": 4, "tokens_generated": 40}
+OK = {"weight": 3, "num-wins": 3, "num-losses": 1, "prompts": 4, "tokens_generated": 40}
 
 pytestmark = pytest.mark.usefixtures("task_identity")
 
@@ -30,7 +30,8 @@ def test_a_well_formed_reply_passes():
         (G, {**OK, "num-wins": -1}, None, "counter num-wins = -1 is not a non-negative integer"),
         (G, {**OK, "num-wins": 2.5}, None, "counter num-wins = 2.5 is not a non-negative integer"),
         (G, {**OK, "tokens_generated": float("nan")}, None, "counter tokens_generated = nan"),
-        (G, {"num-losses": 1, "prompts": 4}, None, "counter num-wins missing"),
+        (G, {"weight": 3, "num-losses": 1, "prompts": 4}, None, "counter num-wins missing"),
+        (G, {"num-wins": 3, "num-losses": 1, "prompts": 4}, None, "counter weight missing"),
         ({k: v + 1.0 for k, v in G.items()}, OK, 3.0, "update norm 3.162 exceeds the bound 3"),
     ],
 )
@@ -44,7 +45,7 @@ def test_update_norm_by_hand():
 
 
 def _reply(node: int, arrays, wins: int = 1) -> Message:
-    content = RecordDict({"arrays": to_record(arrays), "metrics": MetricRecord({**OK, "num-wins": wins})})
+    content = RecordDict({"arrays": to_record(arrays), "metrics": MetricRecord({**OK, "weight": wins, "num-wins": wins})})
     msg = Message(content=content, dst_node_id=0, message_type=MessageType.TRAIN)
     msg.metadata.__dict__["_src_node_id"] = node  # as if it came from that node
     return msg

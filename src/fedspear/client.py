@@ -18,11 +18,10 @@ import numpy as np
 
 from .config import RunConfig
 from .feedback import FeedbackSource, OracleFeedback
-from .interaction import interact
+from .algorithms import get_algorithm
 from .model import LoraSettings, add_lora, get_adapter, load_base, set_adapter
 from .tasks import get_task
 from .tasks.base import Example
-from .training import TrainSettings, local_train
 
 log = logging.getLogger(__name__)
 
@@ -94,11 +93,9 @@ class Worker:
                 "data_source", "train_size", "seed")
         return all(getattr(self.cfg, k) == getattr(cfg, k) for k in keys)
 
-    def train_settings(self) -> TrainSettings:
-        c = self.cfg
-        return TrainSettings(c.local_steps, c.batch_size, c.grad_accum, c.lambda_w, c.lambda_l, c.mu, c.tau,
-                             c.normalization, c.max_lose_ratio,
-                             prox_mu=c.mu_prox if c.strategy == "fedprox" else 0.0)
+    @property
+    def task(self):
+        return get_task(self.cfg.task)
 
     def round(
         self,
@@ -109,7 +106,7 @@ class Worker:
         lr: float,
         feedback_source: FeedbackSource | None = None,
     ) -> tuple[dict[str, np.ndarray], dict[str, float]]:
-        """Run SPEAR on this client for one round (paper Alg. 1).
+        """Run the configured algorithm (``cfg.algorithm``; SPEAR = paper Alg. 1) on this client for one round.
 
         Args:
             global_arrays: the broadcast LoRA tensors θ^(t) (name → array).
@@ -117,23 +114,17 @@ class Worker:
             lr: learning rate for this round (the server's schedule).
             feedback_source: who judges answers (default: the dataset oracle of SPEC §2).
         Returns:
-            ``(adapter copy, metrics)``; metrics hold ``num-wins`` (the aggregation weight), ``num-losses`` and the
-            counters of SPEC §6.
+            ``(adapter copy, metrics)``; metrics hold ``weight`` (the aggregation weight: |W| for SPEAR and Feedback
+            SFT, the number of prompts for the other baselines), ``num-wins``, ``num-losses`` and the counters of
+            SPEC §6.
         """
-        cfg, task = self.cfg, get_task(self.cfg.task)
+        cfg = self.cfg
         set_adapter(self.model, global_arrays)
         examples = [self.examples[i] for i in round_prompts(partition, cfg, partition_id, server_round)]
         seed = derived_seed(cfg.seed, "client-round", partition_id, server_round)
-        result = interact(
-            self.model, self.tokenizer, examples, task, feedback_source or OracleFeedback(task),
-            max_revisions=cfg.max_revisions, max_new_tokens=cfg.max_new_tokens, temperature=cfg.temperature,
-            top_p=cfg.top_p, dtype_used=self.dtype_used, seed=seed,
-        )
-        stats = local_train(self.model, self.tokenizer, result.wins, result.losses, self.train_settings(),
-                            lr=lr, dtype_used=self.dtype_used, seed=seed)
-        metrics: dict[str, float] = {"num-wins": len(result.wins), "num-losses": len(result.losses)}
-        metrics.update(result.counters)
-        metrics.update(stats)
+        algorithm = get_algorithm(cfg.algorithm)
+        metrics = algorithm.client_round(self, examples, lr=lr, seed=seed,
+                                         feedback=feedback_source or OracleFeedback(self.task))
         metrics["partition-size"] = len(partition)
         metrics["peak_rss_mb"] = peak_rss_mb()
         return get_adapter(self.model), metrics

@@ -21,6 +21,8 @@ from typing import Any
 
 from .tasks import TASKS, get_task
 
+ALGORITHMS = ("spear", "feedback_sft", "grpo", "opsd", "rltf_sd")
+
 # τ per task from the paper's appendix table (Math 32, ARC 0, StrategyQA 24, HellaSwag 0).
 PAPER_TAU = {"math_mcqa": 32, "arc_challenge": 0, "strategy_qa": 24, "hellaswag": 0}
 
@@ -42,6 +44,7 @@ class RunConfig:
     model: str = field(default="smollm2-135m", metadata=_meta("packaged model name, local HF folder or hub id"))
     dtype: str = field(default="auto", metadata=_meta("auto (bf16 where the CPU supports it), bf16 or fp32", choices=["auto", "bf16", "fp32"]))
     seed: int = field(default=0, metadata=_meta("seed for partition, client sampling, generation and training", min=0))
+    algorithm: str = field(default="spear", metadata=_meta("client algorithm: spear (paper), or the baselines feedback_sft, grpo, opsd, rltf_sd (SPEC §5)", choices=list(ALGORITHMS)))
     # federation
     rounds: int = field(default=4, metadata=_meta("FL rounds (paper 100 for ARC; CPU default 4)", min=1, max=100000))
     num_clients: int = field(default=10, metadata=_meta("simulated clients (paper 50; CPU default 10)", min=1, max=10000))
@@ -70,6 +73,14 @@ class RunConfig:
     lora_alpha: int = field(default=32, metadata=_meta("LoRA α (paper 32)", min=1))
     lora_dropout: float = field(default=0.1, metadata=_meta("LoRA dropout (paper 0.1)", min=0, lt=1))
     last_layers: int = field(default=0, metadata=_meta("adapt only the last H layers (0 = all)", min=0))
+    # baselines (SPEC §5; defaults from the paper's appendix baseline tables, see fedspear.algorithms)
+    group_size: int | None = field(default=None, metadata=_meta("GRPO / RLTF-SD samples per prompt (None: the paper's table, 2 Math/StrategyQA, 4 ARC/HellaSwag)", min=1, max=64))
+    kl_beta: float | None = field(default=None, metadata=_meta("GRPO / RLTF-SD k3 KL weight β (None: the paper's table, 0.02; 0.1 StrategyQA)", min=0))
+    clip_eps: float = field(default=0.2, metadata=_meta("GRPO / RLTF-SD PPO clip range ε (paper 0.2)", gt=0, lt=1))
+    opsd_variant: str = field(default="original", metadata=_meta("OPSD: original (JSD β 0.5, T 1.1, base-model teacher) or authors (forward KL, T 2, current-model teacher)", choices=["original", "authors"]))
+    rltf_gamma: float = field(default=1.0, metadata=_meta("RLTF-SD γ, weight of the second-turn reward (paper 1.0)", min=0))
+    rltf_sd_coef: float = field(default=0.1, metadata=_meta("RLTF-SD self-distillation coefficient (paper 0.1)", min=0))
+    rltf_rl_coef: float = field(default=1.0, metadata=_meta("RLTF-SD RL coefficient (paper 1.0)", min=0))
     # aggregation and robustness (SPEC §4)
     strategy: str = field(default="fedavg", metadata=_meta("FL strategy: fedavg (paper), fedprox, fedadam, fedyogi", choices=["fedavg", "fedprox", "fedadam", "fedyogi"]))
     mu_prox: float = field(default=1e-3, metadata=_meta("FedProx proximal weight μ_prox (paper 1e-3)", min=0))

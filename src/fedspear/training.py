@@ -119,8 +119,8 @@ def pack(traces: Sequence[Trace], pad_id: int) -> Batch:
     return Batch(input_ids, attention, position_ids, labels, completion, tail_base)
 
 
-def completion_logprobs(model, batch: Batch, dtype_used: str) -> torch.Tensor:
-    """log p_θ(y_i | c0, y_<i) at every completion-window position → ``[B, C]`` float32.
+def completion_logits(model, batch: Batch, dtype_used: str) -> torch.Tensor:
+    """Raw logits at the positions predicting each completion-window token → ``[B, C, V]`` (autocast dtype).
 
     Only the last C + 1 positions get logits (``logits_to_keep``); position j predicts token j + 1.
     """
@@ -132,8 +132,12 @@ def completion_logprobs(model, batch: Batch, dtype_used: str) -> torch.Tensor:
             logits_to_keep=batch.window + 1,
             use_cache=False,
         )
-    logits = out.logits[:, :-1, :]  # [B, C, V]
-    return L.token_logprobs(logits, batch.labels)  # [B, C]
+    return out.logits[:, :-1, :]  # [B, C, V]
+
+
+def completion_logprobs(model, batch: Batch, dtype_used: str) -> torch.Tensor:
+    """log p_θ(y_i | c0, y_<i) at every completion-window position → ``[B, C]`` float32."""
+    return L.token_logprobs(completion_logits(model, batch, dtype_used), batch.labels)  # [B, C]
 
 
 class _Cycler:
@@ -158,6 +162,52 @@ def cap_losses(losses: Sequence[Trace], num_wins: int, ratio: int, seed: int) ->
     if len(losses) <= cap:
         return list(losses)
     return random.Random(seed).sample(list(losses), cap)
+
+
+def optimise(model, micro_step, settings: TrainSettings, *, lr: float, seed: int) -> dict[str, float]:
+    """The local optimisation loop every algorithm shares (SPEC §3 "Optimiser").
+
+    ``settings.local_steps`` AdamW steps (fresh optimiser, weight decay 0) over the trainable (LoRA) parameters;
+    each step accumulates ``settings.grad_accum`` calls of ``micro_step() -> {"loss": tensor, ...}`` (every other
+    entry is logged), clips the gradient to ``settings.max_grad_norm`` and skips (and counts) a step whose gradient
+    is not finite. With ``settings.prox_mu > 0`` the FedProx term (μ/2)‖θ − θ^(t)‖² is added to every loss, θ^(t)
+    being the parameters at entry (Li et al. 2020, Eq. 2). Seeds torch (LoRA dropout) with ``seed``.
+
+    Returns:
+        ``steps``, ``skipped_nonfinite`` and, for each logged term, its mean over steps (``<term>``) — the
+        ``active_tokens`` term is summed instead (``active_tokens_sum``).
+    """
+    params = [p for p in model.parameters() if p.requires_grad]
+    anchor = [p.detach().clone() for p in params] if settings.prox_mu else None  # θ^(t) for FedProx
+    optimizer = torch.optim.AdamW(params, lr=lr, weight_decay=0.0)
+    torch.manual_seed(seed)  # LoRA dropout
+    model.train()
+    out: dict[str, float] = {"steps": 0, "skipped_nonfinite": 0}
+    sums: dict[str, float] = {}
+    for _ in range(settings.local_steps):
+        optimizer.zero_grad(set_to_none=True)
+        for _ in range(settings.grad_accum):
+            terms = micro_step()
+            loss = terms["loss"]
+            if anchor is not None:
+                loss = loss + fedprox_term(params, anchor, settings.prox_mu)
+            (loss / settings.grad_accum).backward()
+            for key, value in terms.items():
+                value = float(value.detach()) if torch.is_tensor(value) else float(value)
+                if key == "active_tokens":
+                    sums["active_tokens_sum"] = sums.get("active_tokens_sum", 0.0) + value
+                else:
+                    sums[key] = sums.get(key, 0.0) + value / settings.grad_accum
+        norm = torch.nn.utils.clip_grad_norm_(params, settings.max_grad_norm)
+        if not torch.isfinite(norm):
+            out["skipped_nonfinite"] += 1
+            optimizer.zero_grad(set_to_none=True)
+            continue
+        optimizer.step()
+        out["steps"] += 1
+    n = max(1, settings.local_steps)
+    out.update({k: (v if k == "active_tokens_sum" else v / n) for k, v in sums.items()})
+    return out
 
 
 def local_train(
@@ -188,47 +238,28 @@ def local_train(
     use_lose = settings.lambda_l != 0 and bool(losses)
     losses = cap_losses(losses, len(wins), settings.max_lose_ratio, seed) if use_lose else []
     stats["lose_used"] = len(losses)
-    params = [p for p in model.parameters() if p.requires_grad]
-    anchor = [p.detach().clone() for p in params] if settings.prox_mu else None  # θ^(t) for FedProx
-    optimizer = torch.optim.AdamW(params, lr=lr, weight_decay=0.0)
     rng = random.Random(seed)
     win_draw, lose_draw = _Cycler(wins, settings.batch_size, rng), _Cycler(losses, settings.batch_size, rng)
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
-    torch.manual_seed(seed)  # LoRA dropout
-    model.train()
-    sums = dict(loss=0.0, loss_win=0.0, loss_lose=0.0)
-    for _ in range(settings.local_steps):
-        optimizer.zero_grad(set_to_none=True)
-        for _ in range(settings.grad_accum):
-            wb = win_draw.next()
-            lb = lose_draw.next() if losses else []
-            batch = pack(wb + lb, pad)
-            logp = completion_logprobs(model, batch, dtype_used)  # [Bw + Bl, C]
-            nw = len(wb)
-            lose_tail = L.tail_mask(batch.tail_base[nw:], settings.tau)  # [Bl, C]
-            alpha = torch.tensor([t.alpha for t in lb], dtype=torch.float32)  # [Bl]
-            terms = L.spear_loss(
-                logp[:nw], batch.completion_mask[:nw], logp[nw:], lose_tail, alpha,
-                lambda_w=settings.lambda_w, lambda_l=settings.lambda_l if lb else 0.0, mu=settings.mu,
-                normalization=settings.normalization,
-            )
-            loss = terms["loss"]
-            if anchor is not None:
-                loss = loss + fedprox_term(params, anchor, settings.prox_mu)
-            (loss / settings.grad_accum).backward()
-            sums["loss"] += float(terms["loss"].detach()) / settings.grad_accum
-            sums["loss_win"] += float(terms["win"].detach()) / settings.grad_accum
-            sums["loss_lose"] += float(terms["lose"].detach()) / settings.grad_accum
-            stats["active_tokens"] += int(terms["active_tokens"])
-        norm = torch.nn.utils.clip_grad_norm_(params, settings.max_grad_norm)
-        if not torch.isfinite(norm):
-            stats["skipped_nonfinite"] += 1
-            optimizer.zero_grad(set_to_none=True)
-            continue
-        optimizer.step()
-        stats["steps"] += 1
-    n = max(1, settings.local_steps)
-    stats.update({k: v / n for k, v in sums.items()})
+
+    def micro_step() -> dict[str, torch.Tensor]:
+        wb = win_draw.next()
+        lb = lose_draw.next() if losses else []
+        batch = pack(wb + lb, pad)
+        logp = completion_logprobs(model, batch, dtype_used)  # [Bw + Bl, C]
+        nw = len(wb)
+        lose_tail = L.tail_mask(batch.tail_base[nw:], settings.tau)  # [Bl, C]
+        alpha = torch.tensor([t.alpha for t in lb], dtype=torch.float32)  # [Bl]
+        terms = L.spear_loss(
+            logp[:nw], batch.completion_mask[:nw], logp[nw:], lose_tail, alpha,
+            lambda_w=settings.lambda_w, lambda_l=settings.lambda_l if lb else 0.0, mu=settings.mu,
+            normalization=settings.normalization,
+        )
+        return {"loss": terms["loss"], "loss_win": terms["win"], "loss_lose": terms["lose"],
+                "active_tokens": terms["active_tokens"]}
+
+    stats.update(optimise(model, micro_step, settings, lr=lr, seed=seed))
+    stats["active_tokens"] = int(stats.pop("active_tokens_sum"))
     stats["margin"], stats["margin_pairs"] = pair_margin(model, wins, losses, pad, settings.tau, dtype_used)
     stats["seconds_train"] = time.perf_counter() - t0
     model.eval()

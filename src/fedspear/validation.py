@@ -13,8 +13,8 @@ from typing import Mapping
 
 import numpy as np
 
-# counters a client reply must carry as non-negative integers (num-wins is the aggregation weight)
-REQUIRED_COUNTERS = ("num-wins", "num-losses", "prompts")
+# counters a client reply must carry as non-negative integers (weight is the aggregation weight)
+REQUIRED_COUNTERS = ("weight", "num-wins", "num-losses", "prompts")
 INTEGER_COUNTERS = REQUIRED_COUNTERS + ("initial_correct", "revisions_attempted", "revisions_successful",
                                         "generations", "tokens_generated", "steps", "skipped_nonfinite")
 

@@ -2,12 +2,12 @@
 
 The base model is loaded once per process (module-level ``_WORKER``): in the simulation engine that is one Ray
 actor holding one base model for every simulated client it plays; rounds never reload weights.
-The reply carries only LoRA tensors and counters (``num-wins`` is the aggregation weight) — never prompts,
+The reply carries only LoRA tensors and counters (``weight`` is the aggregation weight) — never prompts,
 answers or feedback text.
 
 Fault injection (resilience tests only): ``FEDSPEAR_INJECT_FAULTS="P:KIND,..."`` makes the client with partition id P
 misbehave in every round — KIND is ``raise`` (crash mid-round), ``nan`` (non-finite adapter), ``shape`` (a tensor of
-the wrong shape), ``norm`` (a huge update) or ``negative`` (a negative win count). Unset in normal use.
+the wrong shape), ``norm`` (a huge update) or ``negative`` (a negative aggregation weight). Unset in normal use.
 """
 
 from __future__ import annotations
@@ -57,7 +57,7 @@ def partition_of(context: Context, cfg: RunConfig, worker: Worker) -> tuple[int,
 
 @app.train()
 def train(msg: Message, context: Context) -> Message:
-    """Set adapter → interaction → local training → reply with the adapter copy, ``num-wins`` and counters."""
+    """Set adapter → interaction → local training → reply with the adapter copy, ``weight`` and counters."""
     config = msg.content["config"]
     cfg = RunConfig(**json.loads(str(config["fedspear-config"])))
     worker = get_worker(cfg)
@@ -95,7 +95,7 @@ def _inject_fault(pid: int, arrays: dict, metrics: dict) -> tuple[dict, dict]:
     elif kind == "norm":
         arrays = {k: v + 1e6 for k, v in arrays.items()}
     elif kind == "negative":
-        metrics["num-wins"] = -5
+        metrics["weight"] = -5
     return arrays, metrics
 
 

@@ -32,7 +32,7 @@ from fedspear.training import lr_at_round
 log = logging.getLogger("fedspear")
 
 COUNTERS = ("prompts", "initial_correct", "revisions_attempted", "revisions_successful", "num-wins", "num-losses",
-            "generations", "tokens_generated", "skipped_nonfinite", "active_tokens", "lose_used", "steps")
+            "weight", "generations", "tokens_generated", "skipped_nonfinite", "active_tokens", "lose_used", "steps")
 
 
 class Evaluator:

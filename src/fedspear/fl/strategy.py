@@ -1,6 +1,7 @@
 """Win-weighted FedAvg on Flower's message API, with the zero-win guard (paper Alg. 2; SPEC §4).
 
-θ^(t+1) = Σ_k |W_k| θ_k / Σ_k |W_k| with the reply metric ``num-wins`` as the weight. The strategy is Flower's
+θ^(t+1) = Σ_k |W_k| θ_k / Σ_k |W_k| with the reply metric ``weight`` as the weight
+(|W_k| for SPEAR and Feedback SFT; the number of prompts for the other baselines, SPEC §5). The strategy is Flower's
 ``FedAvg`` (sampling, message construction, reply checks); the averaging itself is ``fedspear.aggregation.
 win_weighted_average`` (float64 accumulation, fresh arrays). **Decision (SPEC §4):** when every sampled client has
 zero wins, Flower's FedAvg would divide by zero; we keep the global adapter unchanged instead.
@@ -33,7 +34,7 @@ from fedspear.validation import check_reply
 
 RULES = ("fedavg", "median", "trimmed_mean")
 
-WEIGHT_KEY = "num-wins"
+WEIGHT_KEY = "weight"
 log = logging.getLogger("fedspear")
 
 

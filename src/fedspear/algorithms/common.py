@@ -1,0 +1,109 @@
+"""What the baseline client loops share: grouped sampling, no-grad log-probabilities, batches drawn over a round.
+
+Nothing here imports ``flwr``.
+"""
+
+from __future__ import annotations
+
+import random
+import time
+from typing import Sequence
+
+import torch
+
+from ..interaction import Trace, generate, render
+from ..tasks.base import Example
+from ..training import completion_logprobs, pack
+
+
+def pad_id(tokenizer) -> int:
+    return tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+
+
+def new_counters(prompts: int) -> dict[str, float]:
+    """The counters every algorithm reports (SPEC §6), zeroed."""
+    return dict(prompts=prompts, initial_correct=0, revisions_attempted=0, revisions_successful=0, generations=0,
+                tokens_generated=0, seconds_generate_initial=0.0, seconds_generate_revisions=0.0)
+
+
+def sample(worker, contexts: Sequence[list[int]], counters: dict, phase: str) -> list[list[int]]:
+    """One sampled completion per context (the run's temperature / top-p / token budget), counted and timed.
+
+    ``phase`` is ``"initial"`` or ``"revisions"`` (which ``seconds_generate_*`` counter the time goes to).
+    """
+    cfg = worker.cfg
+    t = time.perf_counter()
+    ids = generate(worker.model, worker.tokenizer, contexts, max_new_tokens=cfg.max_new_tokens,
+                   dtype_used=worker.dtype_used, temperature=cfg.temperature, top_p=cfg.top_p)
+    counters[f"seconds_generate_{phase}"] += time.perf_counter() - t
+    counters["generations"] += len(ids)
+    counters["tokens_generated"] += sum(len(x) for x in ids)
+    return ids
+
+
+def prompt_ids(worker, examples: Sequence[Example]) -> list[list[int]]:
+    """c0 for each example: the task's prompt in the chat template (no feedback, no facts)."""
+    task = worker.task
+    return [render(worker.tokenizer, [task.prompt(ex)]) for ex in examples]
+
+
+def make_trace(uid: str, context: list[int], completion: list[int], eos: int) -> Trace:
+    return Trace(uid, list(context), list(completion), bool(completion) and completion[-1] == eos)
+
+
+def text(worker, ids: list[int]) -> str:
+    return worker.tokenizer.decode(ids, skip_special_tokens=True)
+
+
+@torch.no_grad()
+def logprobs_of(model, traces: Sequence[Trace], pad: int, dtype_used: str, *, adapter: bool = True,
+                batch_size: int = 16) -> list[torch.Tensor]:
+    """Per-trace completion log-probabilities (float32 ``[len(completion)]`` each), no grad, eval mode.
+
+    ``adapter=False`` scores under the base model (peft's ``disable_adapter``): the GRPO / RLTF-SD reference policy.
+    """
+    was_training = model.training
+    model.eval()
+    out: list[torch.Tensor] = []
+    for start in range(0, len(traces), batch_size):
+        chunk = list(traces[start : start + batch_size])
+        batch = pack(chunk, pad)
+        if adapter:
+            logp = completion_logprobs(model, batch, dtype_used)
+        else:
+            with model.disable_adapter():
+                logp = completion_logprobs(model, batch, dtype_used)
+        for i, t in enumerate(chunk):
+            n = len(t.completion_ids)
+            out.append(logp[i, batch.window - n :].float().clone())
+    model.train(was_training)
+    return out
+
+
+def aligned(values: Sequence[torch.Tensor], window: int) -> torch.Tensor:
+    """Per-trace vectors right-aligned in a packed completion window of width C → ``[len(values), C]``, 0 elsewhere."""
+    out = torch.zeros((len(values), window), dtype=torch.float32)
+    for i, v in enumerate(values):
+        if len(v):
+            out[i, window - len(v) :] = v
+    return out
+
+
+def draw_batches(n_items: int, batch_size: int, count: int, seed: int) -> list[list[int]]:
+    """``count`` batches of up to ``batch_size`` indices into ``n_items`` items, cycling through seeded permutations.
+
+    All batches of a round are drawn up front, so the sampling-time ("old") and reference log-probabilities can be
+    computed before the first optimiser step for exactly the items that will be used.
+    """
+    rng = random.Random(seed)
+    order: list[int] = []
+    batches = []
+    for _ in range(count):
+        batch = []
+        while len(batch) < min(batch_size, n_items):
+            if not order:
+                order = list(range(n_items))
+                rng.shuffle(order)
+            batch.append(order.pop())
+        batches.append(batch)
+    return batches

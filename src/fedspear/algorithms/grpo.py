@@ -1,0 +1,111 @@
+"""GRPO (Shao et al. 2024; SPEC §5) as a federated client: G samples per prompt, binary reward, group-normalised
+advantages, PPO-clipped surrogate with a k3 KL to the base model. No feedback and no facts reach the prompt.
+
+Per round a client answers its ``rollouts_per_round`` prompts G times each (the same prompts SPEAR sees: equal
+interaction budget in prompts, G× the generations), scores each sample with the task's IsCorrect, and computes
+``A = (r − mean_G r) / (std_G r + 1e-4)`` per group (:func:`fedspear.baseline_losses.grpo_advantages`). All rollouts
+are collected before the local steps ("batch rollout"), so later steps use the importance ratio against the
+sampling-time log-probabilities; each step draws ``batch_size`` sequences (× ``grad_accum``) from the round's
+rollouts. Loss: :func:`fedspear.baseline_losses.grpo_loss` (mean over sequences of token means).
+Aggregation weight: the number of prompts (SPEC §5).
+
+Defaults — paper appendix table "Training, federated learning, and GRPO hyperparameters" (Qwen2.5-1.5B and
+Llama-3.2-3B, identical): β_KL 0.02 (0.1 StrategyQA), clip range 0.2, generations 2 / 4 / 2 / 4 for MathMCQA /
+ARC-Challenge / StrategyQA / HellaSwag.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Sequence
+
+import torch
+
+from .. import baseline_losses as B
+from ..feedback import FeedbackSource
+from ..tasks.base import Example
+from ..training import TrainSettings, completion_logprobs, optimise, pack
+from . import common
+
+# paper appendix tables "... GRPO hyperparameters ..." (tab:qwen1.5b_grpo_hparams, tab:llama3b_grpo_hparams)
+GROUP_SIZE = {"math_mcqa": 2, "arc_challenge": 4, "strategy_qa": 2, "hellaswag": 4}
+KL_BETA = {"math_mcqa": 0.02, "arc_challenge": 0.02, "strategy_qa": 0.1, "hellaswag": 0.02}
+
+
+@dataclass
+class Settings:
+    """GRPO settings (paper appendix GRPO tables).
+
+    Attributes:
+        group_size: G, samples per prompt.
+        beta: k3 KL weight β_KL.
+        eps: PPO clip range ε.
+        train: the shared optimiser settings (steps, batch size in sequences, grad accumulation, FedProx μ).
+    """
+
+    group_size: int = 4
+    beta: float = 0.02
+    eps: float = 0.2
+    train: TrainSettings = None  # type: ignore[assignment]
+
+
+def settings(cfg) -> Settings:
+    """GRPO settings from a resolved ``RunConfig`` (``group_size`` / ``kl_beta`` None → the task's table value)."""
+    from . import spear
+
+    return Settings(
+        group_size=cfg.group_size or GROUP_SIZE[cfg.task],
+        beta=KL_BETA[cfg.task] if cfg.kl_beta is None else cfg.kl_beta,
+        eps=cfg.clip_eps,
+        train=spear.settings(cfg),
+    )
+
+
+def client_round(worker, examples: Sequence[Example], *, lr: float, seed: int,
+                 feedback: FeedbackSource) -> dict[str, float]:
+    """One GRPO client-round. ``feedback`` is used only as the reward (its ``is_correct``); no feedback text."""
+    s = settings(worker.cfg)
+    model, tok = worker.model, worker.tokenizer
+    eos, pad = tok.eos_token_id, common.pad_id(tok)
+    counters = common.new_counters(len(examples))
+    torch.manual_seed(seed)
+    c0 = common.prompt_ids(worker, examples)
+    contexts = [c for c in c0 for _ in range(s.group_size)]  # prompt-major: [P·G]
+    completions = common.sample(worker, contexts, counters, "initial")
+    rewards = [float(feedback.is_correct(examples[k // s.group_size], common.text(worker, y)))
+               for k, y in enumerate(completions)]
+    counters["initial_correct"] = sum(rewards)
+    advantages = B.grpo_advantages(torch.tensor(rewards).view(len(examples), s.group_size)).flatten()  # [P·G]
+    traces = [common.make_trace(examples[k // s.group_size].uid, ctx, y, eos)
+              for k, (ctx, y) in enumerate(zip(contexts, completions))]
+
+    t0 = time.perf_counter()
+    batches = common.draw_batches(len(traces), s.train.batch_size, s.train.local_steps * s.train.grad_accum, seed)
+    used = sorted({i for b in batches for i in b})
+    old = dict(zip(used, common.logprobs_of(model, [traces[i] for i in used], pad, worker.dtype_used)))
+    ref = (dict(zip(used, common.logprobs_of(model, [traces[i] for i in used], pad, worker.dtype_used,
+                                              adapter=False))) if s.beta > 0 else None)
+    queue = iter(batches)
+
+    def micro_step() -> dict[str, torch.Tensor]:
+        idx = next(queue)
+        batch = pack([traces[i] for i in idx], pad)
+        logp = completion_logprobs(model, batch, worker.dtype_used)  # [B, C]
+        terms = B.grpo_loss(
+            logp, common.aligned([old[i] for i in idx], batch.window),
+            common.aligned([ref[i] for i in idx], batch.window) if ref is not None else None,
+            batch.completion_mask, advantages[idx], s.eps, s.beta,
+        )
+        return {"loss": terms["loss"], "loss_pg": terms["pg"], "kl": terms["kl"],
+                "clip_fraction": terms["clip_fraction"]}
+
+    stats = optimise(model, micro_step, s.train, lr=lr, seed=seed)
+    model.eval()
+    stats["seconds_train"] = time.perf_counter() - t0
+    metrics: dict[str, float] = dict(counters)
+    metrics.update(stats)
+    metrics.update({"num-wins": int(sum(rewards)), "num-losses": len(rewards) - int(sum(rewards)),
+                    "weight": len(examples), "lr": lr, "group_size": s.group_size,
+                    "zero_advantage_groups": int((advantages.view(len(examples), -1).abs().sum(1) == 0).sum())})
+    return metrics

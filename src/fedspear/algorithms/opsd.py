@@ -1,0 +1,120 @@
+"""OPSD, on-policy self-distillation (Zhao et al. 2026; SPEC §5) as a federated client.
+
+Per prompt one on-policy sample y ~ π_θ(·|x) from the plain prompt. The teacher is the same network given
+*privileged context* — the prompt followed by the gold answer and, where the task has them, the StrategyQA facts or
+the MATH solution — scoring the student's own tokens y. The loss is a divergence between the teacher's and the
+student's next-token distributions over the full vocabulary at every completion position, mean over completion
+tokens (:func:`fedspear.baseline_losses.distill_loss`). Aggregation weight: the number of prompts.
+
+Variants (``opsd_variant``):
+
+- ``original`` (default; Zhao et al.): generalised JSD, β = 0.5, temperature 1.1, teacher = the base model
+  (adapter disabled).
+- ``authors`` (how the SPEAR authors ran it, SPEC §5): forward KL(teacher ‖ student), temperature 2, teacher = the
+  current model (adapter on, no gradient).
+
+Training settings (steps, batch, learning rate) follow the paper's appendix table "Training and federated learning
+hyperparameters for OPSD" through :class:`fedspear.config.RunConfig`. OPSD checks no answer for correctness; the
+``initial_correct`` counter records how often the student's sample was right, for comparison only.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Sequence
+
+import torch
+
+from .. import baseline_losses as B
+from ..feedback import FeedbackSource
+from ..interaction import Trace, render
+from ..tasks.base import Example
+from ..training import TrainSettings, completion_logits, optimise, pack
+from . import common
+
+VARIANTS = {
+    "original": dict(divergence="jsd", beta=0.5, temperature=1.1, teacher="base"),
+    "authors": dict(divergence="forward_kl", beta=0.5, temperature=2.0, teacher="current"),
+}
+
+
+@dataclass
+class Settings:
+    """OPSD settings. ``teacher`` is ``"base"`` (adapter disabled) or ``"current"`` (adapter on, no gradient)."""
+
+    divergence: str = "jsd"
+    beta: float = 0.5
+    temperature: float = 1.1
+    teacher: str = "base"
+    train: TrainSettings = None  # type: ignore[assignment]
+
+
+def settings(cfg) -> Settings:
+    from . import spear
+
+    return Settings(**VARIANTS[cfg.opsd_variant], train=spear.settings(cfg))
+
+
+def privileged_prompt(task, example: Example) -> str:
+    """The teacher's user message: the task prompt, then the gold answer and any solution or facts.
+
+    This is the privileged information OPSD assumes (SPEC §5); it never reaches the student's context or a reply.
+    """
+    gold = example.gold
+    if example.options:
+        gold = f"{gold}. {example.options[example.labels.index(gold)]}"
+    parts = [task.prompt(example), f"Reference information: the correct answer is {gold}."]
+    if example.extra.get("facts"):
+        parts.append("Facts:\n" + "\n".join(f"- {f}" for f in example.extra["facts"]))
+    if example.extra.get("solution"):
+        parts.append("Solution:\n" + str(example.extra["solution"]))
+    return "\n\n".join(parts)
+
+
+def client_round(worker, examples: Sequence[Example], *, lr: float, seed: int,
+                 feedback: FeedbackSource) -> dict[str, float]:
+    """One OPSD client-round (``feedback`` only fills the ``initial_correct`` counter)."""
+    s = settings(worker.cfg)
+    model, tok = worker.model, worker.tokenizer
+    eos, pad = tok.eos_token_id, common.pad_id(tok)
+    counters = common.new_counters(len(examples))
+    torch.manual_seed(seed)
+    c0 = common.prompt_ids(worker, examples)
+    completions = common.sample(worker, c0, counters, "initial")
+    correct = [feedback.is_correct(ex, common.text(worker, y)) for ex, y in zip(examples, completions)]
+    counters["initial_correct"] = sum(correct)
+    students = [common.make_trace(ex.uid, c, y, eos) for ex, c, y in zip(examples, c0, completions)]
+    teachers = [Trace(t.uid, render(tok, [privileged_prompt(worker.task, ex)]), t.completion_ids, t.has_eos)
+                for ex, t in zip(examples, students)]
+
+    t0 = time.perf_counter()
+    queue = iter(common.draw_batches(len(students), s.train.batch_size, s.train.local_steps * s.train.grad_accum,
+                                     seed))
+
+    def micro_step() -> dict[str, torch.Tensor]:
+        idx = next(queue)
+        student = pack([students[i] for i in idx], pad)
+        teacher = pack([teachers[i] for i in idx], pad)  # same completions → same window C
+        with torch.no_grad():
+            was_training = model.training
+            model.eval()
+            if s.teacher == "base":
+                with model.disable_adapter():
+                    teacher_logits = completion_logits(model, teacher, worker.dtype_used).float()  # [B, C, V]
+            else:
+                teacher_logits = completion_logits(model, teacher, worker.dtype_used).float()
+            model.train(was_training)
+        student_logits = completion_logits(model, student, worker.dtype_used)  # [B, C, V]
+        loss = B.distill_loss(student_logits, teacher_logits, student.completion_mask, s.divergence, s.beta,
+                              s.temperature)
+        return {"loss": loss}
+
+    stats = optimise(model, micro_step, s.train, lr=lr, seed=seed)
+    model.eval()
+    stats["seconds_train"] = time.perf_counter() - t0
+    metrics: dict[str, float] = dict(counters)
+    metrics.update(stats)
+    metrics.update({"num-wins": int(sum(correct)), "num-losses": len(correct) - int(sum(correct)),
+                    "weight": len(examples), "lr": lr})
+    return metrics

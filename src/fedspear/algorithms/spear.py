@@ -1,0 +1,46 @@
+"""SPEAR (paper Alg. 1; SPEC §2–3): interaction with partial-feedback revisions, then NLL on the win set plus the
+confidence-gated tail unlikelihood on the lose set. Aggregation weight: the win count |W| (SPEC §4).
+
+Defaults: the paper's appendix table "Hyperparameter Settings (SPEAR)" (λ_w 1.0, λ_l 0.1, μ 0.3, τ per task, N 2),
+carried by :class:`fedspear.config.RunConfig` where the CPU defaults are marked.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+from ..feedback import FeedbackSource
+from ..interaction import interact
+from ..tasks.base import Example
+from ..training import TrainSettings, local_train
+
+Settings = TrainSettings
+
+
+def settings(cfg) -> TrainSettings:
+    """SPEAR's local-training settings from a resolved ``RunConfig``."""
+    return TrainSettings(cfg.local_steps, cfg.batch_size, cfg.grad_accum, cfg.lambda_w, cfg.lambda_l, cfg.mu,
+                         cfg.tau, cfg.normalization, cfg.max_lose_ratio,
+                         prox_mu=cfg.mu_prox if cfg.strategy == "fedprox" else 0.0)
+
+
+def client_round(worker, examples: Sequence[Example], *, lr: float, seed: int, feedback: FeedbackSource,
+                 train: TrainSettings | None = None) -> dict[str, float]:
+    """One SPEAR client-round: interaction (Alg. 1 lines 3–24), then local training (lines 25–31).
+
+    Returns the interaction counters, the training metrics of :func:`fedspear.training.local_train`, ``num-wins``,
+    ``num-losses`` and ``weight`` = |W|.
+    """
+    cfg = worker.cfg
+    result = interact(
+        worker.model, worker.tokenizer, examples, worker.task, feedback,
+        max_revisions=cfg.max_revisions, max_new_tokens=cfg.max_new_tokens, temperature=cfg.temperature,
+        top_p=cfg.top_p, dtype_used=worker.dtype_used, seed=seed,
+    )
+    stats = local_train(worker.model, worker.tokenizer, result.wins, result.losses, train or settings(cfg),
+                        lr=lr, dtype_used=worker.dtype_used, seed=seed)
+    metrics: dict[str, float] = {"num-wins": len(result.wins), "num-losses": len(result.losses),
+                                 "weight": len(result.wins)}
+    metrics.update(result.counters)
+    metrics.update(stats)
+    return metrics

@@ -180,6 +180,94 @@ def _run(cfg: RunConfig, verbose: bool) -> None:
 
 
 @app.command()
+def compare(
+    preset: Optional[str] = typer.Option(None, help="a built-in grid: cpu-small | tiny"),
+    grid_file: Optional[Path] = typer.Option(None, "--grid", help="TOML grid (tasks, algorithms, seeds, [axes], [base])"),
+    tasks: Optional[str] = typer.Option(None, help="comma-separated tasks (overrides the preset's)"),
+    algorithms: Optional[str] = typer.Option(None, help="comma-separated algorithms (overrides the preset's)"),
+    seeds: Optional[str] = typer.Option(None, help="comma-separated seeds (overrides the preset's)"),
+    vary: list[str] = typer.Option([], "--vary", help="an axis: --vary mu=0.1,0.3 (mu, tau, lambda_l, max_revisions, "
+                                   "strategy, num_clients, dirichlet_alpha, last_layers, centralized)"),
+    set_: list[str] = typer.Option([], "--set", help="a setting every cell shares: --set rounds=5"),
+    output_dir: Optional[Path] = typer.Option(None, "--output-dir", "-o", help="where cells and the summary go "
+                                              "(default runs/compare-<preset>)"),
+    summary_only: bool = typer.Option(False, "--summary-only", help="only (re)write comparison.md from finished cells"),
+    verbose: bool = typer.Option(False, "--verbose", "-v", help="Flower and Ray logs into each cell's log.txt"),
+) -> None:
+    """Run a grid of runs (algorithms × seeds × settings) and write comparison.md and plots; resumable."""
+    import dataclasses
+    import datetime
+
+    from rich.console import Console
+
+    from .compare import PRESETS, Grid, load_grid, run_grid, summarise
+
+    console = Console(stderr=True)
+    try:
+        if (preset is None) == (grid_file is None):
+            raise ConfigError("give exactly one of --preset or --grid")
+        if preset is not None and preset not in PRESETS:
+            raise ConfigError(f"unknown preset {preset!r}; choose one of {', '.join(PRESETS)}")
+        grid = dataclasses.replace(PRESETS[preset]) if preset else load_grid(grid_file)
+        changes: dict = {}
+        if tasks:
+            changes["tasks"] = [t.strip() for t in tasks.split(",") if t.strip()]
+        if algorithms:
+            changes["algorithms"] = [a.strip() for a in algorithms.split(",") if a.strip()]
+        if seeds:
+            try:
+                changes["seeds"] = [int(s) for s in seeds.split(",") if s.strip()]
+            except ValueError:
+                raise ConfigError(f"--seeds expects integers, got {seeds!r}") from None
+        axes = dict(grid.axes)
+        for item in vary:
+            if "=" not in item:
+                raise ConfigError(f"--vary expects key=v1,v2, got {item!r}")
+            key, raw = item.split("=", 1)
+            axes[key.strip()] = [_parse_set([f"v={v}"])["v"] for v in raw.split(",")]
+        base = {**grid.base, **_parse_set(set_)}
+        grid = Grid(**{**grid.to_dict(), **changes, "axes": axes, "base": base})
+    except ConfigError as err:
+        _fail(str(err))
+    output = output_dir or Path("runs") / f"compare-{preset or grid_file.stem}"
+    command = "fedspear compare " + " ".join(sys.argv[2:]) if len(sys.argv) > 2 else "fedspear compare"
+    started_file = output / "started.txt"
+    if not summary_only:
+        cells = grid.cells(output)
+        console.print(f"[bold]fedspear compare[/] {len(cells)} cells → {output}")
+        counter = {"i": 0}
+        t0 = time.perf_counter()
+
+        def on_event(kind, cell, seconds):
+            if kind == "start":
+                counter["i"] += 1
+            if kind == "skip":
+                counter["i"] += 1
+                console.print(f"[{counter['i']}/{len(cells)}] {cell.name}: already finished, skipped")
+            elif kind == "start":
+                console.print(f"[{counter['i']}/{len(cells)}] {cell.name}: running (log {cell.path / 'log.txt'})")
+            else:
+                console.print(f"[{counter['i']}/{len(cells)}] {cell.name}: done in {seconds:.0f} s "
+                              f"(elapsed {time.perf_counter() - t0:.0f} s)")
+
+        output.mkdir(parents=True, exist_ok=True)
+        if not started_file.exists():
+            started_file.write_text(datetime.datetime.now().strftime("%Y-%m-%d %H:%M") + "\n")
+        try:
+            run_grid(grid, output, on_event=on_event, verbose=verbose)
+        except ConfigError as err:
+            _fail(str(err))
+        except RuntimeError as err:
+            typer.secho(f"error: {err}", fg="red", err=True)
+            summarise(grid, output, command)
+            raise typer.Exit(code=1)
+    started = started_file.read_text().strip() if started_file.exists() else ""
+    finished = datetime.datetime.now().strftime("%Y-%m-%d %H:%M")
+    path = summarise(grid, output, command, started=f"{started} → {finished}" if started else finished)
+    print(f"comparison: {path}")
+
+
+@app.command()
 def bench(
     model: str = typer.Option("smollm2-135m", help="packaged name, local folder or hub id"),
     dtype: str = typer.Option("auto", help="auto | bf16 | fp32"),

@@ -94,6 +94,7 @@ class RunConfig:
     # evaluation (SPEC §6)
     eval_every: int = field(default=2, metadata=_meta("evaluate every k rounds (and at round 0 and the last)", min=1))
     eval_size: int = field(default=100, metadata=_meta("held-out items evaluated (0 = the whole split; CPU default 100)", min=0))
+    round0_from: str | None = field(default=None, metadata=_meta("run directory whose round-0 evaluation is reused when model, task, data and evaluation settings match and both start adapters are the identity (LoRA B = 0); `fedspear compare` sets it"))
     eval_generation: bool = field(default=True, metadata=_meta("also measure greedy-generation accuracy"))
     # data and output
     train_size: int = field(default=0, metadata=_meta("train items partitioned over clients (0 = the whole split)", min=0))

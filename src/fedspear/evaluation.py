@@ -67,8 +67,12 @@ def loglik_predictions(model, tokenizer, examples: Sequence[Example], task, *, d
 
 
 def evaluate(model, tokenizer, examples: Sequence[Example], task, *, dtype_used: str = "fp32",
-             generation: bool = True, loglik: bool = True, batch_size: int = 32) -> dict[str, float]:
+             generation: bool = True, loglik: bool = True, batch_size: int = 32,
+             max_new_tokens: int | None = None) -> dict[str, float]:
     """Accuracy of ``model`` on ``examples``.
+
+    ``max_new_tokens`` bounds each greedy answer (default: the task's ``MAX_NEW_TOKENS``; runs pass their own
+    ``max_new_tokens`` so evaluation answers under the same budget as the clients).
 
     Returns:
         ``n``, and for each metric computed (``acc_gen``; ``acc_ll`` for multiple choice): the accuracy, its
@@ -82,7 +86,7 @@ def evaluate(model, tokenizer, examples: Sequence[Example], task, *, dtype_used:
     if generation and examples:
         contexts = [render(tokenizer, [task.prompt(ex)]) for ex in examples]
         first: list[torch.Tensor] = []
-        completions = generate(model, tokenizer, contexts, max_new_tokens=task.MAX_NEW_TOKENS,
+        completions = generate(model, tokenizer, contexts, max_new_tokens=max_new_tokens or task.MAX_NEW_TOKENS,
                                dtype_used=dtype_used, do_sample=False, batch_size=batch_size, first_logits=first)
         predictions = [ex.labels[int(logits[label_token_ids(tokenizer, ex.labels)].argmax())]
                        for logits, ex in zip(first, examples)]

@@ -32,7 +32,7 @@ class RunDirError(ValueError):
 
 
 # keys that may change between invocations without changing the experiment
-RESUME_FREE_KEYS = {"output_dir", "round_timeout", "data_dir"}
+RESUME_FREE_KEYS = {"output_dir", "round_timeout", "data_dir", "round0_from"}
 
 
 def _clean(value: Any) -> Any:

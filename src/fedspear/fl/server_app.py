@@ -59,7 +59,52 @@ class Evaluator:
     def __call__(self, arrays: dict[str, np.ndarray]) -> dict[str, float]:
         set_adapter(self.model, arrays)
         return evaluate(self.model, self.tokenizer, self.examples, self.task, dtype_used=self.dtype_used,
-                        generation=self.cfg.eval_generation)
+                        generation=self.cfg.eval_generation, max_new_tokens=self.cfg.max_new_tokens)
+
+
+# settings that decide the round-0 evaluation (the base model's answers on the fixed held-out subset)
+ROUND0_KEYS = ("model", "dtype", "task", "data_dir", "data_source", "skip_bad_records", "eval_size",
+               "eval_generation", "max_new_tokens", "lora_r", "lora_alpha", "last_layers")
+
+
+def _is_identity(arrays: dict[str, np.ndarray]) -> bool:
+    """Whether a LoRA adapter leaves the base model unchanged (every ``lora_B`` is zero, peft's initialisation)."""
+    b = [v for k, v in arrays.items() if "lora_B" in k]
+    return bool(b) and all(not np.any(v) for v in b)
+
+
+def reused_round0(cfg: RunConfig, arrays: dict[str, np.ndarray]) -> dict | None:
+    """The round-0 evaluation of ``cfg.round0_from`` when it is provably the same measurement, else None.
+
+    Same when the other run's resolved settings agree on ``ROUND0_KEYS`` and both start adapters are the identity:
+    then both evaluate the same base model greedily on the same items. The reused record names its source.
+    """
+    if not cfg.round0_from or not _is_identity(arrays):
+        return None
+    other = RunDir(cfg.round0_from)
+    records = other.records() if other.metrics_path.exists() else []
+    if not records or records[0].get("round") != 0 or not other.config_path.exists():
+        return None
+    try:
+        other_cfg = load_config(other.config_path).resolved()
+        if not _is_identity(other.load_adapter(0)):
+            return None
+    except Exception:  # noqa: BLE001 - an unreadable source just means: evaluate here
+        return None
+    if any(getattr(other_cfg, k) != getattr(cfg, k) for k in ROUND0_KEYS):
+        return None
+    log.info("round-0 evaluation reused from %s (same base model, items and settings)", cfg.round0_from)
+    return {**records[0]["eval"], "reused_from": str(cfg.round0_from)}
+
+
+# loss terms the algorithms log (SPEAR: win / lose; GRPO: surrogate, KL; RLTF-SD: SD, RL0, RL1; all: loss)
+LOSS_TERMS = ("loss", "loss_win", "loss_lose", "loss_pg", "kl", "clip_fraction", "loss_sd", "loss_rl0", "loss_rl1")
+
+
+def _mean_of(clients: list[dict], key: str) -> float | None:
+    """Mean of ``key`` over the clients that report it (None when none does)."""
+    values = [c[key] for c in clients if key in c]
+    return float(np.mean(values)) if values else None
 
 
 def _round_record(server_round: int, lr: float, replies, aggregated: bool, rejected: dict[int, str]) -> dict:
@@ -93,9 +138,7 @@ def _round_record(server_round: int, lr: float, replies, aggregated: bool, rejec
         "wins": total["num-wins"],
         "losses": total["num-losses"],
         "initial_accuracy": total["initial_correct"] / total["prompts"] if total["prompts"] else None,
-        "loss": float(np.mean([c["loss"] for c in trained])) if trained else None,
-        "loss_win": float(np.mean([c["loss_win"] for c in trained])) if trained else None,
-        "loss_lose": float(np.mean([c["loss_lose"] for c in trained])) if trained else None,
+        **{key: _mean_of(trained, key) for key in LOSS_TERMS},
         "margin": float(np.mean(margins)) if margins else None,
         "seconds": {
             "generate_initial": sum(c.get("seconds_generate_initial", 0.0) for c in ok),
@@ -147,7 +190,7 @@ def run_server(grid: Grid, cfg: RunConfig, on_round: Callable[[dict], None] | No
     else:
         last, arrays = 0, evaluator.initial_adapter()
         t0 = time.perf_counter()
-        metrics = evaluator(arrays)
+        metrics = reused_round0(cfg, arrays) or evaluator(arrays)
         wall = time.perf_counter() - t0
         run.save_adapter(0, arrays, evaluator.peft_config())
         record = {"round": 0, "eval": metrics, "seconds": {"evaluate": metrics["seconds_evaluate"]},

@@ -1,0 +1,98 @@
+"""``fedspear compare``: grid building, validation, paired statistics, and a real 2-cell run that resumes."""
+
+from __future__ import annotations
+
+import json
+import math
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from fedspear.compare import PRESETS, Grid, load_grid, mean_std, paired_ci
+from fedspear.config import ConfigError
+
+
+def test_grid_cells_share_everything_but_their_axes(tmp_path):
+    grid = Grid(tasks=["arc_challenge"], algorithms=["spear", "grpo"], seeds=[0, 1],
+                axes={"mu": [0.1, 0.3], "centralized": [False, True]}, base={"rounds": 2})
+    cells = grid.cells(tmp_path)
+    assert len(cells) == 1 * 4 * 2 * 2
+    names = {c.name for c in cells}
+    assert len(names) == len(cells) and "arc_challenge-grpo-mu=0.3-centralized=True-s1" in names
+    central = next(c for c in cells if c.axes["centralized"])
+    assert (central.config.num_clients, central.config.clients_per_round) == (1, 1)
+    a, b = cells[0].config.to_dict(), cells[1].config.to_dict()
+    assert {k for k in a if a[k] != b[k]} == {"seed", "output_dir"}
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    (dict(tasks=[]), "tasks is empty"),
+    (dict(tasks=["arc_challenge"], algorithms=["ppo"]), "unknown algorithm 'ppo'"),
+    (dict(tasks=["arc_challenge"], axes={"lr": [1e-4]}), "'lr' cannot be an axis"),
+    (dict(tasks=["arc_challenge"], axes={"mu": []}), "axis mu needs a non-empty list"),
+    (dict(tasks=["arc_challenge"], base={"seed": 3}), "base may not set seed"),
+    (dict(tasks=["arc_challenge"], axes={"mu": [1.5]}), "cell arc_challenge-spear-mu=1.5-s0: mu: 1.5 is out of range"),
+    (dict(tasks=["nope"]), "task: 'nope' is not allowed"),
+])
+def test_bad_grids_are_rejected_with_the_reason(kwargs, message):
+    with pytest.raises(ConfigError, match=message.replace("(", r"\(").replace("[", r"\[")):
+        Grid(**kwargs)
+
+
+def test_grid_file_errors(tmp_path):
+    with pytest.raises(ConfigError, match="not found"):
+        load_grid(tmp_path / "missing.toml")
+    bad = tmp_path / "bad.toml"
+    bad.write_text("tasks = [\n")
+    with pytest.raises(ConfigError, match="not valid TOML"):
+        load_grid(bad)
+    bad.write_text('tasks = ["arc_challenge"]\nrounds = 3\n')
+    with pytest.raises(ConfigError, match="unknown grid key"):
+        load_grid(bad)
+
+
+def test_presets_are_valid_and_cpu_small_has_the_issue_shape():
+    grid = PRESETS["cpu-small"]
+    assert grid.tasks == ["arc_challenge", "strategy_qa"]
+    assert grid.algorithms == ["spear", "feedback_sft", "grpo", "opsd", "rltf_sd"] and grid.seeds == [0, 1, 2]
+    assert len(grid.cells(Path("x"))) == 30
+
+
+def test_mean_std_and_paired_interval_by_hand():
+    assert mean_std([0.2, 0.4, 0.6]) == pytest.approx((0.4, 0.2))
+    m, lo, hi = paired_ci([0.02, 0.04, 0.06])  # mean 0.04, s 0.02, t(2) 4.303 → half 0.04969
+    assert (m, lo, hi) == pytest.approx((0.04, 0.04 - 0.049687, 0.04 + 0.049687), abs=1e-6)
+    m, lo, hi = paired_ci([0.1])
+    assert m == 0.1 and math.isnan(lo) and math.isnan(hi)
+
+
+@pytest.mark.slow
+def test_compare_two_cells_end_to_end_and_resume(tmp_path):
+    """The tiny preset (SPEAR and GRPO, 1 round each) through the CLI: comparison.md, comparison.json and the plots;
+    the second cell reuses the first's round-0 evaluation; a re-run skips both cells."""
+    out = tmp_path / "cmp"
+    cmd = [sys.executable, "-m", "fedspear.cli", "compare", "--preset", "tiny", "--output-dir", str(out)]
+    first = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
+    assert first.returncode == 0, first.stderr[-3000:]
+    text = (out / "comparison.md").read_text()
+    assert "| SPEAR |" in text and "| GRPO |" in text and "SPEAR minus each baseline" in text
+    for name in ("accuracy_acc_gen", "accuracy_acc_ll", "wall_clock", "revisions_successful", "needing_revision"):
+        assert (out / "plots" / f"{name}.png").stat().st_size > 1000
+    data = json.loads((out / "comparison.json").read_text())
+    assert {c["algorithm"] for c in data["cells"]} == {"spear", "grpo"}
+    grpo_cell = out / "cells" / "arc_challenge-grpo-s0"
+    round0 = json.loads((grpo_cell / "metrics.jsonl").read_text().splitlines()[0])
+    assert round0["eval"]["reused_from"].endswith("arc_challenge-spear-s0")
+    spear0 = json.loads((out / "cells" / "arc_challenge-spear-s0" / "metrics.jsonl").read_text().splitlines()[0])
+    assert {k: v for k, v in round0["eval"].items() if k not in ("reused_from",)} == spear0["eval"]
+    grpo_round = json.loads((grpo_cell / "metrics.jsonl").read_text().splitlines()[1])
+    assert grpo_round["generations"] == 2 * 4 and grpo_round["weight"] == 2  # G = 4 per prompt, weight = prompts
+
+    again = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert again.stderr.count("already finished, skipped") == 2 and "running" not in again.stderr
+
+    other = subprocess.run(cmd + ["--seeds", "5"], capture_output=True, text=True, timeout=600)
+    assert other.returncode == 2 and "holds another grid" in other.stderr

@@ -145,3 +145,37 @@ def test_rltf_sd_revises_only_wrong_samples(arc_items, scripted):
     assert m["generations"] == 8 + 6 and m["weight"] == 2 and m["num-wins"] == 4
     assert m["steps"] == 2 and np.isfinite(m["loss"])
     assert moved(worker, start) > 1e-5
+
+
+# generations per client-round with P prompts and the tiny model (never right): SPEAR / SFT 1 + N revisions each,
+# GRPO G, OPSD 1, RLTF-SD N first turns + N revisions (G = N = 4 on ARC)
+EXPECTED = {"spear": (2 * 2, 0), "feedback_sft": (2 * 2, 0), "grpo": (2 * 4, 2), "opsd": (2, 2),
+            "rltf_sd": (2 * 4 * 2, 2)}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("algorithm", ALGORITHMS)
+def test_one_round_per_algorithm_through_the_simulation_engine(algorithm, tmp_path):
+    """``fedspear run --set algorithm=…`` with the tiny model: one round through Flower's simulation engine; the
+    round record carries the algorithm's generations and aggregation weight (wins for SPEAR / SFT, prompts for the
+    others), and the run's report is written."""
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    out = tmp_path / algorithm
+    cmd = [str(Path(sys.executable).with_name("fedspear")), "run", "--model", "tiny-random", "--dtype", "fp32",
+           "--rounds", "1", "--clients", "2", "--clients-per-round", "1", "--rollouts-per-round", "2",
+           "--max-revisions", "1", "--eval-size", "4", "--train-size", "20", "-o", str(out),
+           "--set", f"algorithm={algorithm}", "--set", "max_new_tokens=3", "--set", "lora_r=4",
+           "--set", "lora_alpha=8", "--set", "local_steps=1", "--set", "batch_size=2"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [r["round"] for r in records] == [0, 1]
+    r1 = records[1]
+    generations, weight = EXPECTED[algorithm]
+    assert (r1["generations"], r1["weight"], r1["clients_ok"]) == (generations, weight, 1)
+    assert r1["aggregated"] == (weight > 0)
+    assert (out / "report.md").exists() and (out / "adapters" / "round_0001").is_dir()

@@ -103,7 +103,7 @@ def run(
     set_: list[str] = typer.Option([], "--set", help="any other key: --set local_steps=10"),
     verbose: bool = typer.Option(False, "--verbose", "-v", help="show Flower and Ray logs"),
 ) -> None:
-    """Run (or resume) a SPEAR federation on Flower's simulation engine and write a report."""
+    """Run (or resume) a federation (SPEAR or a baseline: --set algorithm=…) on Flower's simulation engine."""
     from .model import ModelError
     from .rundir import RunDirError
     from .tasks.base import DataError
@@ -134,7 +134,7 @@ def _run(cfg: RunConfig, verbose: bool) -> None:
     resolved = cfg.resolved()
     done = RunDir(cfg.output_dir).last_round()
     console.print(
-        f"[bold]fedspear[/] {cfg.task} · model {cfg.model} · dtype {resolve_dtype(cfg.dtype)} · "
+        f"[bold]fedspear[/] {cfg.algorithm} · {cfg.task} · model {cfg.model} · dtype {resolve_dtype(cfg.dtype)} · "
         f"{cfg.rounds} rounds · {cfg.num_clients} clients ({cfg.clients_per_round}/round) · "
         f"{cfg.rollouts_per_round} rollouts · N={cfg.max_revisions} · μ={cfg.mu} τ={resolved.tau} "
         f"λ_w={cfg.lambda_w} λ_l={cfg.lambda_l} · seed {cfg.seed} → {cfg.output_dir}"

@@ -121,11 +121,13 @@ def write_report(path: str | Path, records: Sequence[dict], cfg: RunConfig, dtyp
     peak_client = max((r.get("peak_rss_mb", {}).get("client", 0) for r in rounds), default=0)
     peak_server = max((r.get("peak_rss_mb", {}).get("server", 0) for r in records), default=0)
     lines = [
-        f"# fedspear run — {cfg.task}, {cfg.model}",
+        f"# fedspear run — {cfg.algorithm}, {cfg.task}, {cfg.model}",
         "",
         f"Reproduce: `{command}` (seed {cfg.seed}). Written {_dt.datetime.now().isoformat(timespec='seconds')}"
         f" by fedspear on Python {sys.version.split()[0]}.",
         "",
+        f"- algorithm **{cfg.algorithm}**, strategy {cfg.strategy}, aggregation weight: "
+        f"{'wins' if cfg.algorithm in ('spear', 'feedback_sft') else 'prompts'}",
         f"- rounds {cfg.rounds}, clients {cfg.num_clients} ({cfg.clients_per_round} per round), "
         f"rollouts per client-round {cfg.rollouts_per_round}, max revisions N = {cfg.max_revisions}",
         f"- μ = {cfg.mu}, τ = {cfg.tau}, λ_w = {cfg.lambda_w}, λ_l = {cfg.lambda_l}, lr = {cfg.lr} → "
@@ -149,7 +151,7 @@ def write_report(path: str | Path, records: Sequence[dict], cfg: RunConfig, dtyp
         "",
         "## Per round",
         "",
-        "| round | lr | prompts | initial acc | wins | losses | revisions (ok / tried) | tokens | loss win / lose "
+        "| round | lr | prompts | initial acc | wins | losses | revisions (ok / tried) | tokens | loss win (or total) / lose "
         "| margin M_τ | gen s | train s | eval s | overhead s | round s |",
         "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
@@ -158,7 +160,7 @@ def write_report(path: str | Path, records: Sequence[dict], cfg: RunConfig, dtyp
         lines.append(
             f"| {r['round']} | {r['lr']:.2e} | {r['prompts']} | {_fmt(r['initial_accuracy'])} | {r['wins']} | "
             f"{r['losses']} | {r['revisions_successful']} / {r['revisions_attempted']} | {r['tokens_generated']} | "
-            f"{_fmt(r['loss_win'])} / {_fmt(r['loss_lose'])} | {_fmt(r['margin'])} | "
+            f"{_fmt(r['loss_win'] if r.get('loss_win') is not None else r.get('loss'))} / {_fmt(r.get('loss_lose'))} | {_fmt(r.get('margin'))} | "
             f"{s['generate_initial'] + s['generate_revisions']:.1f} | {s['train']:.1f} | {s['evaluate']:.1f} | "
             f"{s['flower_overhead']:.1f} | {s['round']:.1f} |"
         )

@@ -24,12 +24,11 @@ import os
 import subprocess
 import sys
 import time
-import tomllib
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
-from .config import ALGORITHMS, ConfigError, RunConfig, load_config
+from .config import ALGORITHMS, ConfigError, RunConfig, load_config, read_toml
 from .rundir import RunDir
 
 # the settings the paper's ablations and robustness studies vary (SPEC §5, issue "compare"); "centralized" is
@@ -184,12 +183,7 @@ def load_grid(path: Path) -> Grid:
     Raises:
         ConfigError: the file is missing, not TOML, has unknown keys or an invalid cell.
     """
-    if not path.is_file():
-        raise ConfigError(f"grid file {path} not found")
-    try:
-        data = tomllib.loads(path.read_text(encoding="utf-8"))
-    except tomllib.TOMLDecodeError as err:
-        raise ConfigError(f"{path}: not valid TOML ({err})") from None
+    data = read_toml(path, "grid file")
     unknown = set(data) - {"tasks", "algorithms", "seeds", "axes", "base", "per_task", "note"}
     if unknown:
         raise ConfigError(f"{path}: unknown grid key(s) {', '.join(sorted(unknown))}")

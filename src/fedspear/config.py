@@ -170,6 +170,20 @@ def _check(f: dataclasses.Field, value: Any) -> None:
                 raise ConfigError(f"{name}: {value!r} is out of range; it must be {sign} {meta[key]}")
 
 
+def read_toml(path: Path, what: str) -> dict[str, Any]:
+    """The TOML file at ``path`` as a dict.
+
+    Raises:
+        ConfigError: the file is missing (named as ``what``) or is not valid TOML.
+    """
+    if not path.is_file():
+        raise ConfigError(f"{what} {path} not found")
+    try:
+        return tomllib.loads(path.read_text(encoding="utf-8"))
+    except tomllib.TOMLDecodeError as err:
+        raise ConfigError(f"{path}: not valid TOML ({err})") from None
+
+
 def load_config(path: str | Path | None = None, **overrides: Any) -> RunConfig:
     """Build a ``RunConfig`` from an optional TOML file, then keyword overrides (``None`` overrides are ignored).
 
@@ -179,12 +193,7 @@ def load_config(path: str | Path | None = None, **overrides: Any) -> RunConfig:
     values: dict[str, Any] = {}
     if path:
         path = Path(path)
-        if not path.is_file():
-            raise ConfigError(f"config file {path} not found")
-        try:
-            values = tomllib.loads(path.read_text(encoding="utf-8"))
-        except tomllib.TOMLDecodeError as err:
-            raise ConfigError(f"{path}: not valid TOML ({err})") from None
+        values = read_toml(path, "config file")
         values = values.get("fedspear", values)
     values.update({k: v for k, v in overrides.items() if v is not None})
     known = {f.name for f in fields(RunConfig)}

@@ -13,7 +13,7 @@ import torch
 
 from ..interaction import Trace, generate, render
 from ..tasks.base import Example
-from ..training import completion_logprobs, pack
+from ..training import TrainSettings, completion_logprobs, optimise, pack
 
 
 def pad_id(tokenizer) -> int:
@@ -107,3 +107,22 @@ def draw_batches(n_items: int, batch_size: int, count: int, seed: int) -> list[l
             batch.append(order.pop())
         batches.append(batch)
     return batches
+
+
+def start_round(worker, examples: Sequence[Example], seed: int) -> tuple[int, int, dict[str, float], list[list[int]]]:
+    """Seed torch's sampler and return ``(eos id, pad id, zeroed counters, c0 token ids per example)``."""
+    torch.manual_seed(seed)
+    tok = worker.tokenizer
+    return tok.eos_token_id, pad_id(tok), new_counters(len(examples)), prompt_ids(worker, examples)
+
+
+def finish_round(worker, micro_step, train: TrainSettings, *, lr: float, seed: int, started: float,
+                 counters: dict[str, float], **extra: float) -> dict[str, float]:
+    """Run the local steps (:func:`fedspear.training.optimise`) and merge counters, training metrics and ``extra``.
+
+    ``started`` is the ``time.perf_counter()`` at which the training phase began (its pre-passes included).
+    """
+    stats = optimise(worker.model, micro_step, train, lr=lr, seed=seed)
+    worker.model.eval()
+    stats["seconds_train"] = time.perf_counter() - started
+    return {**counters, **stats, "lr": lr, **extra}

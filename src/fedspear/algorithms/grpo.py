@@ -25,7 +25,7 @@ import torch
 from .. import baseline_losses as B
 from ..feedback import FeedbackSource
 from ..tasks.base import Example
-from ..training import TrainSettings, completion_logprobs, optimise, pack
+from ..training import TrainSettings, completion_logprobs, pack
 from . import common
 
 # paper appendix tables "... GRPO hyperparameters ..." (tab:qwen1.5b_grpo_hparams, tab:llama3b_grpo_hparams)
@@ -65,12 +65,8 @@ def settings(cfg) -> Settings:
 def client_round(worker, examples: Sequence[Example], *, lr: float, seed: int,
                  feedback: FeedbackSource) -> dict[str, float]:
     """One GRPO client-round. ``feedback`` is used only as the reward (its ``is_correct``); no feedback text."""
-    s = settings(worker.cfg)
-    model, tok = worker.model, worker.tokenizer
-    eos, pad = tok.eos_token_id, common.pad_id(tok)
-    counters = common.new_counters(len(examples))
-    torch.manual_seed(seed)
-    c0 = common.prompt_ids(worker, examples)
+    s, model = settings(worker.cfg), worker.model
+    eos, pad, counters, c0 = common.start_round(worker, examples, seed)
     contexts = [c for c in c0 for _ in range(s.group_size)]  # prompt-major: [P·G]
     completions = common.sample(worker, contexts, counters, "initial")
     rewards = [float(feedback.is_correct(examples[k // s.group_size], common.text(worker, y)))
@@ -100,12 +96,8 @@ def client_round(worker, examples: Sequence[Example], *, lr: float, seed: int,
         return {"loss": terms["loss"], "loss_pg": terms["pg"], "kl": terms["kl"],
                 "clip_fraction": terms["clip_fraction"]}
 
-    stats = optimise(model, micro_step, s.train, lr=lr, seed=seed)
-    model.eval()
-    stats["seconds_train"] = time.perf_counter() - t0
-    metrics: dict[str, float] = dict(counters)
-    metrics.update(stats)
-    metrics.update({"num-wins": int(sum(rewards)), "num-losses": len(rewards) - int(sum(rewards)),
-                    "weight": len(examples), "lr": lr, "group_size": s.group_size,
-                    "zero_advantage_groups": int((advantages.view(len(examples), -1).abs().sum(1) == 0).sum())})
-    return metrics
+    wins = int(sum(rewards))
+    return common.finish_round(
+        worker, micro_step, s.train, lr=lr, seed=seed, started=t0, counters=counters, **{
+            "num-wins": wins, "num-losses": len(rewards) - wins, "weight": len(examples), "group_size": s.group_size,
+            "zero_advantage_groups": int((advantages.view(len(examples), -1).abs().sum(1) == 0).sum())})

@@ -30,7 +30,7 @@ from .. import baseline_losses as B
 from ..feedback import FeedbackSource
 from ..interaction import Trace, render
 from ..tasks.base import Example
-from ..training import TrainSettings, completion_logits, optimise, pack
+from ..training import TrainSettings, completion_logits, pack
 from . import common
 
 VARIANTS = {
@@ -75,12 +75,8 @@ def privileged_prompt(task, example: Example) -> str:
 def client_round(worker, examples: Sequence[Example], *, lr: float, seed: int,
                  feedback: FeedbackSource) -> dict[str, float]:
     """One OPSD client-round (``feedback`` only fills the ``initial_correct`` counter)."""
-    s = settings(worker.cfg)
-    model, tok = worker.model, worker.tokenizer
-    eos, pad = tok.eos_token_id, common.pad_id(tok)
-    counters = common.new_counters(len(examples))
-    torch.manual_seed(seed)
-    c0 = common.prompt_ids(worker, examples)
+    s, model, tok = settings(worker.cfg), worker.model, worker.tokenizer
+    eos, pad, counters, c0 = common.start_round(worker, examples, seed)
     completions = common.sample(worker, c0, counters, "initial")
     correct = [feedback.is_correct(ex, common.text(worker, y)) for ex, y in zip(examples, completions)]
     counters["initial_correct"] = sum(correct)
@@ -110,11 +106,6 @@ def client_round(worker, examples: Sequence[Example], *, lr: float, seed: int,
                               s.temperature)
         return {"loss": loss}
 
-    stats = optimise(model, micro_step, s.train, lr=lr, seed=seed)
-    model.eval()
-    stats["seconds_train"] = time.perf_counter() - t0
-    metrics: dict[str, float] = dict(counters)
-    metrics.update(stats)
-    metrics.update({"num-wins": int(sum(correct)), "num-losses": len(correct) - int(sum(correct)),
-                    "weight": len(examples), "lr": lr})
-    return metrics
+    wins = int(sum(correct))
+    return common.finish_round(worker, micro_step, s.train, lr=lr, seed=seed, started=t0, counters=counters,
+                               **{"num-wins": wins, "num-losses": len(correct) - wins, "weight": len(examples)})

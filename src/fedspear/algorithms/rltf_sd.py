@@ -27,7 +27,7 @@ from .. import baseline_losses as B
 from ..feedback import FeedbackSource
 from ..interaction import render
 from ..tasks.base import Example
-from ..training import TrainSettings, completion_logprobs, optimise, pack
+from ..training import TrainSettings, completion_logprobs, pack
 from . import common, grpo
 
 
@@ -52,13 +52,9 @@ def settings(cfg) -> Settings:
 def client_round(worker, examples: Sequence[Example], *, lr: float, seed: int,
                  feedback: FeedbackSource) -> dict[str, float]:
     """One RLTF-SD client-round."""
-    s = settings(worker.cfg)
-    model, tok, task = worker.model, worker.tokenizer, worker.task
-    eos, pad = tok.eos_token_id, common.pad_id(tok)
+    s, model, tok, task = settings(worker.cfg), worker.model, worker.tokenizer, worker.task
     n, p = s.group_size, len(examples)
-    counters = common.new_counters(p)
-    torch.manual_seed(seed)
-    c0 = common.prompt_ids(worker, examples)
+    eos, pad, counters, c0 = common.start_round(worker, examples, seed)
     x0 = [c for c in c0 for _ in range(n)]  # prompt-major [P·N]
     y0 = common.sample(worker, x0, counters, "initial")
     ex_of = [examples[k // n] for k in range(p * n)]
@@ -115,12 +111,7 @@ def client_round(worker, examples: Sequence[Example], *, lr: float, seed: int,
         return {"loss": terms["loss"], "loss_sd": terms["sd"], "loss_rl0": terms["rl0"], "loss_rl1": terms["rl1"],
                 "kl": terms["kl"]}
 
-    stats = optimise(model, micro_step, s.train, lr=lr, seed=seed)
-    model.eval()
-    stats["seconds_train"] = time.perf_counter() - t0
-    metrics: dict[str, float] = dict(counters)
-    metrics.update(stats)
     wins = int(sum(r1))
-    metrics.update({"num-wins": wins, "num-losses": p * n - wins, "weight": p, "lr": lr, "group_size": n})
-    return metrics
+    return common.finish_round(worker, micro_step, s.train, lr=lr, seed=seed, started=t0, counters=counters,
+                               **{"num-wins": wins, "num-losses": p * n - wins, "weight": p, "group_size": n})
 

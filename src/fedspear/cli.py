@@ -187,7 +187,8 @@ def compare(
     algorithms: Optional[str] = typer.Option(None, help="comma-separated algorithms (overrides the preset's)"),
     seeds: Optional[str] = typer.Option(None, help="comma-separated seeds (overrides the preset's)"),
     vary: list[str] = typer.Option([], "--vary", help="an axis: --vary mu=0.1,0.3 (mu, tau, lambda_l, max_revisions, "
-                                   "strategy, num_clients, dirichlet_alpha, last_layers, centralized)"),
+                                   "strategy, num_clients, dirichlet_alpha, last_layers, centralized, user_flip_prob, "
+                                   "user_irrelevant_prob)"),
     set_: list[str] = typer.Option([], "--set", help="a setting every cell shares: --set rounds=5"),
     output_dir: Optional[Path] = typer.Option(None, "--output-dir", "-o", help="where cells and the summary go "
                                               "(default runs/compare-<preset>)"),

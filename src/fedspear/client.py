@@ -17,7 +17,7 @@ from typing import Sequence
 import numpy as np
 
 from .config import RunConfig
-from .feedback import FeedbackSource, OracleFeedback
+from .feedback import FeedbackSource, make_feedback
 from .algorithms import get_algorithm
 from .model import LoraSettings, add_lora, get_adapter, load_base, set_adapter
 from .tasks import get_task
@@ -112,7 +112,8 @@ class Worker:
             global_arrays: the broadcast LoRA tensors θ^(t) (name → array).
             partition: indices of this client's train examples.
             lr: learning rate for this round (the server's schedule).
-            feedback_source: who judges answers (default: the dataset oracle of SPEC §2).
+            feedback_source: who judges answers (default: the dataset oracle of SPEC §2, made noisy by
+                ``user_flip_prob`` / ``user_irrelevant_prob``).
         Returns:
             ``(adapter copy, metrics)``; metrics hold ``weight`` (the aggregation weight: |W| for SPEAR and Feedback
             SFT, the number of prompts for the other baselines), ``num-wins``, ``num-losses`` and the counters of
@@ -123,8 +124,11 @@ class Worker:
         examples = [self.examples[i] for i in round_prompts(partition, cfg, partition_id, server_round)]
         seed = derived_seed(cfg.seed, "client-round", partition_id, server_round)
         algorithm = get_algorithm(cfg.algorithm)
-        metrics = algorithm.client_round(self, examples, lr=lr, seed=seed,
-                                         feedback=feedback_source or OracleFeedback(self.task))
+        if feedback_source is None:
+            feedback_source = make_feedback(self.task, cfg.user_flip_prob, cfg.user_irrelevant_prob,
+                                            seed=derived_seed(cfg.seed, "user", partition_id))
+        metrics = algorithm.client_round(self, examples, lr=lr, seed=seed, feedback=feedback_source)
+        metrics.update(getattr(feedback_source, "counts", {}))
         metrics["partition-size"] = len(partition)
         metrics["peak_rss_mb"] = peak_rss_mb()
         return get_adapter(self.model), metrics

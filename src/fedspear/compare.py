@@ -34,7 +34,7 @@ from .rundir import RunDir
 # the settings the paper's ablations and robustness studies vary (SPEC §5, issue "compare"); "centralized" is
 # shorthand for one client holding all the data
 AXES = ("mu", "tau", "lambda_l", "max_revisions", "strategy", "num_clients", "dirichlet_alpha", "last_layers",
-        "centralized")
+        "centralized", "user_flip_prob", "user_irrelevant_prob")
 
 NAMES = {"spear": "SPEAR", "feedback_sft": "Feedback SFT", "grpo": "GRPO", "opsd": "OPSD", "rltf_sd": "RLTF-SD"}
 T_975 = {1: 12.706, 2: 4.303, 3: 3.182, 4: 2.776, 5: 2.571, 6: 2.447, 7: 2.365, 8: 2.306, 9: 2.262, 10: 2.228}

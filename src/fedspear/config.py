@@ -102,6 +102,8 @@ class RunConfig:
     skip_bad_records: bool = field(default=False, metadata=_meta("skip (and count) malformed data records instead of stopping"))
     data_source: str = field(default="offline", metadata=_meta("offline (shipped / data_dir) or hub", choices=["offline", "hub"]))
     output_dir: str = field(default="runs/default", metadata=_meta("run directory (re-running into it resumes)"))
+    user_flip_prob: float = field(default=0.0, metadata=_meta("noisy simulated user: probability p of flipping the verdict (0 = the exact oracle)", min=0, max=1))
+    user_irrelevant_prob: float = field(default=0.0, metadata=_meta("noisy simulated user: probability q of an irrelevant hint", min=0, max=1))
     round_timeout: float = field(default=3600.0, metadata=_meta("seconds the server waits for a round's replies", gt=0))
 
     def __post_init__(self) -> None:

@@ -10,7 +10,7 @@ STAMP  := $(VENV)/.fedspear-installed
 OUT    ?= runs/default
 PYTEST_ARGS ?=
 
-.PHONY: install run test clean-runs
+.PHONY: install run test clean-runs browser
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -28,7 +28,14 @@ install: $(STAMP)
 run: install
 	$(VENV)/bin/fedspear run --output-dir $(OUT)
 
-test: install
+# The chat app's browser test drives Debian's Chromium through Playwright (no browser download from a CDN).
+browser:
+	@command -v chromium >/dev/null 2>&1 || [ -n "$$FEDSPEAR_CHROMIUM" ] || { \
+	  command -v apt-get >/dev/null 2>&1 || { echo "install Chromium (or set FEDSPEAR_CHROMIUM) for the browser test"; exit 1; }; \
+	  SUDO=$$( [ "$$(id -u)" = 0 ] || echo sudo ); \
+	  $$SUDO apt-get update -qq && DEBIAN_FRONTEND=noninteractive $$SUDO apt-get install -y -qq chromium >/dev/null; }
+
+test: install browser
 	$(PY) -m pytest $(PYTEST_ARGS)
 
 clean-runs:

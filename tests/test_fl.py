@@ -61,7 +61,7 @@ def test_client_app_replies_with_adapter_copies_and_counters(monkeypatch, always
     import fedspear.client as client_module
     from fedspear.fl import client_app
 
-    monkeypatch.setattr(client_module, "OracleFeedback", lambda task: always_right)
+    monkeypatch.setattr(client_module, "make_feedback", lambda task, *args, **kwargs: always_right)
     cfg = RunConfig(model="tiny-random", num_clients=2, clients_per_round=1, rollouts_per_round=3, local_steps=2,
                     batch_size=2, lr=1e-2, max_new_tokens=3, lora_r=4, lora_alpha=8)
     worker = client_app.get_worker(cfg)

@@ -296,6 +296,33 @@ def bench(
     print(text if as_json else render(result))
 
 
+@app.command()
+def chat(
+    traces: Path = typer.Option(Path("node/traces.db"), "--traces", help="the node's trace store (SQLite; created if missing)"),
+    model: str = typer.Option("smollm2-135m", help="packaged name, local folder or hub id"),
+    adapter: Optional[Path] = typer.Option(None, help="a peft adapter folder to answer with (e.g. the federation's latest round)"),
+    dtype: str = typer.Option("auto", help="auto | bf16 | fp32"),
+    max_revisions: int = typer.Option(2, "--max-revisions", "-n", min=0, max=10, help="N, revisions after a wrong answer (paper 2)"),
+    max_new_tokens: int = typer.Option(256, min=1, max=4096, help="tokens per answer"),
+    host: str = typer.Option("127.0.0.1", help="interface to bind (keep 127.0.0.1 unless you know who can reach it)"),
+    port: int = typer.Option(8765, min=1, max=65535),
+) -> None:
+    """Ask the model, judge its answers and type hints in a browser; conversations go to the node's trace store."""
+    from .chat import ChatModel, serve
+    from .model import ModelError
+    from .traces import TraceStore, TraceStoreError
+
+    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    try:
+        counts = TraceStore(traces).counts()
+        responder = ChatModel.load(model, dtype, adapter, max_new_tokens)
+    except (ModelError, TraceStoreError, FileNotFoundError, ValueError) as err:
+        _fail(str(err))
+    typer.echo(f"fedspear chat: {responder.version}; {counts['total']} stored conversations in {traces}")
+    typer.echo(f"open http://{host}:{port}/  (Ctrl-C stops)")
+    serve(traces, responder, max_revisions=max_revisions, host=host, port=port)
+
+
 def main() -> None:  # pragma: no cover - console entry
     app()
 

@@ -11,7 +11,9 @@ import hashlib
 import logging
 import random
 import resource
+import shutil
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Sequence
 
 import numpy as np
@@ -130,5 +132,40 @@ class Worker:
         metrics = algorithm.client_round(self, examples, lr=lr, seed=seed, feedback=feedback_source)
         metrics.update(getattr(feedback_source, "counts", {}))
         metrics["partition-size"] = len(partition)
+        metrics["peak_rss_mb"] = peak_rss_mb()
+        return get_adapter(self.model), metrics
+
+    def _save_global(self, folder: Path) -> None:
+        """The federation's current adapter in peft format beside the trace store (``fedspear chat --adapter``);
+        written to a temp folder and renamed, so chat never reads half a file."""
+        tmp = folder.with_name(folder.name + ".tmp")
+        shutil.rmtree(tmp, ignore_errors=True)
+        self.model.save_pretrained(tmp)
+        old = folder.with_name(folder.name + ".old")
+        shutil.rmtree(old, ignore_errors=True)
+        if folder.exists():
+            folder.rename(old)
+        tmp.rename(folder)
+        shutil.rmtree(old, ignore_errors=True)
+
+    def human_round(
+        self, global_arrays: dict[str, np.ndarray], store, partition_id: int, server_round: int, lr: float,
+    ) -> tuple[dict[str, np.ndarray], dict[str, float]]:
+        """One client-round on what people said in ``fedspear chat`` (``fedspear.human.client_round``).
+
+        Trains on at most ``rollouts_per_round`` unused trajectories of ``store`` (a ``TraceStore``), oldest
+        first, and marks them used. Returns ``(adapter copy, metrics)`` as :meth:`round` does.
+
+        Raises:
+            ValueError: the run's algorithm cannot learn from stored trajectories.
+        """
+        from .human import client_round
+
+        cfg = self.cfg
+        set_adapter(self.model, global_arrays)
+        self._save_global(Path(store.path).parent / "global_adapter")
+        seed = derived_seed(cfg.seed, "client-round", partition_id, server_round)
+        metrics = client_round(self, store, lr=lr, seed=seed, server_round=server_round,
+                               max_prompts=cfg.rollouts_per_round)
         metrics["peak_rss_mb"] = peak_rss_mb()
         return get_adapter(self.model), metrics

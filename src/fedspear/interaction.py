@@ -148,6 +148,7 @@ def interact(
     top_p: float = 0.95,
     dtype_used: str = "fp32",
     seed: int = 0,
+    replay: Sequence[Sequence[list[int]]] | None = None,
 ) -> InteractionResult:
     """Run SPEAR's interaction phase on ``examples`` (paper Alg. 1, lines 3–24).
 
@@ -156,6 +157,9 @@ def interact(
         feedback_source: says whether a completion is right and gives partial feedback (``FeedbackSource``).
         max_revisions: N, revision attempts per wrong answer (paper default 2).
         seed: seeds torch's sampler so a client-round is reproducible.
+        replay: attempts sampled earlier, ``replay[i][n]`` = token ids of y_n for example i (a person's chat,
+            ``fedspear.human``): they are used instead of sampling, and a prompt whose attempts run out is treated
+            as never revised correctly. Counted as ``replayed_attempts``, not as generations.
     Returns:
         ``InteractionResult`` with the win set, the lose set (with α) and the counters.
     """
@@ -170,7 +174,13 @@ def interact(
     prompts = [task.prompt(ex) for ex in examples]
     c0 = [render(tokenizer, [p]) for p in prompts]
 
-    def sample(contexts: list[list[int]]) -> list[list[int]]:
+    if replay is not None:
+        counters["replayed_attempts"] = 0
+
+    def sample(contexts: list[list[int]], indices: list[int], n: int) -> list[list[int]]:
+        if replay is not None:
+            counters["replayed_attempts"] += len(indices)
+            return [list(replay[i][n]) for i in indices]
         ids = generate(model, tokenizer, contexts, max_new_tokens=max_new_tokens, dtype_used=dtype_used,
                        temperature=temperature, top_p=top_p)
         counters["generations"] += len(ids)
@@ -184,7 +194,7 @@ def interact(
         return Trace(examples[i].uid, c0[i], ids, bool(ids) and ids[-1] == eos, alpha)
 
     t = time.perf_counter()
-    y0 = sample(c0)
+    y0 = sample(c0, list(range(len(examples))), 0)
     counters["seconds_generate_initial"] = time.perf_counter() - t
 
     pending: list[int] = []  # indices of prompts still wrong
@@ -196,8 +206,12 @@ def interact(
             pending.append(i)
 
     previous = {i: y0[i] for i in pending}
+    exhausted: list[int] = []  # replay only: wrong prompts whose person stopped revising
     t = time.perf_counter()
-    for _ in range(max_revisions):
+    for n in range(1, max_revisions + 1):
+        if replay is not None:
+            exhausted += [i for i in pending if len(replay[i]) <= n]
+            pending = [i for i in pending if len(replay[i]) > n]
         if not pending:
             break
         contexts = []
@@ -205,7 +219,7 @@ def interact(
             f_n = feedback_source.feedback(examples[i], text(previous[i]))
             contexts.append(render(tokenizer, [prompts[i], text(previous[i]), f_n]))
         counters["revisions_attempted"] += len(pending)
-        revised = sample(contexts)
+        revised = sample(contexts, pending, n)
         still = []
         for i, y_n in zip(pending, revised):
             if feedback_source.is_correct(examples[i], text(y_n)):
@@ -217,7 +231,7 @@ def interact(
                 still.append(i)
         pending = still
     counters["seconds_generate_revisions"] = time.perf_counter() - t
-    for i in pending:
+    for i in sorted(pending + exhausted):
         result.losses.append(trace(i, y0[i], alpha=0.5))
     result.counters = counters
     return result

@@ -24,6 +24,7 @@ def settings(cfg) -> TrainSettings:
 
 
 def client_round(worker, examples: Sequence[Example], *, lr: float, seed: int,
-                 feedback: FeedbackSource) -> dict[str, float]:
+                 feedback: FeedbackSource, task=None, replay=None) -> dict[str, float]:
     """One Feedback-SFT client-round (same traces as SPEAR for the same seed; only the loss differs)."""
-    return spear.client_round(worker, examples, lr=lr, seed=seed, feedback=feedback, train=settings(worker.cfg))
+    return spear.client_round(worker, examples, lr=lr, seed=seed, feedback=feedback, train=settings(worker.cfg),
+                              task=task, replay=replay)

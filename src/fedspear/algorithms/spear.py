@@ -25,17 +25,20 @@ def settings(cfg) -> TrainSettings:
 
 
 def client_round(worker, examples: Sequence[Example], *, lr: float, seed: int, feedback: FeedbackSource,
-                 train: TrainSettings | None = None) -> dict[str, float]:
+                 train: TrainSettings | None = None, task=None, replay=None) -> dict[str, float]:
     """One SPEAR client-round: interaction (Alg. 1 lines 3–24), then local training (lines 25–31).
+
+    ``task`` (default: the run's task) renders the prompts; ``replay`` passes attempts a person already judged (see
+    :func:`fedspear.interaction.interact`; ``fedspear.human``) instead of sampling new ones.
 
     Returns the interaction counters, the training metrics of :func:`fedspear.training.local_train`, ``num-wins``,
     ``num-losses`` and ``weight`` = |W|.
     """
     cfg = worker.cfg
     result = interact(
-        worker.model, worker.tokenizer, examples, worker.task, feedback,
+        worker.model, worker.tokenizer, examples, task or worker.task, feedback,
         max_revisions=cfg.max_revisions, max_new_tokens=cfg.max_new_tokens, temperature=cfg.temperature,
-        top_p=cfg.top_p, dtype_used=worker.dtype_used, seed=seed,
+        top_p=cfg.top_p, dtype_used=worker.dtype_used, seed=seed, replay=replay,
     )
     stats = local_train(worker.model, worker.tokenizer, result.wins, result.losses, train or settings(cfg),
                         lr=lr, dtype_used=worker.dtype_used, seed=seed)

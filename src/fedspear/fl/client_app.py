@@ -5,6 +5,10 @@ actor holding one base model for every simulated client it plays; rounds never r
 The reply carries only LoRA tensors and counters (``weight`` is the aggregation weight) — never prompts,
 answers or feedback text.
 
+A node started with ``--node-config "partition-id=K trace-db=/path/traces.db"`` is a *human* node: instead of the
+dataset oracle it trains on the conversations people had in ``fedspear chat`` (``fedspear.human``), which stay in
+that SQLite file on the node.
+
 Fault injection (resilience tests only): ``FEDSPEAR_INJECT_FAULTS="P:KIND,..."`` makes the client with partition id P
 misbehave in every round — KIND is ``raise`` (crash mid-round), ``nan`` (non-finite adapter), ``shape`` (a tensor of
 the wrong shape), ``norm`` (a huge update) or ``negative`` (a negative aggregation weight). Unset in normal use.
@@ -24,6 +28,7 @@ from fedspear.client import Worker
 from fedspear.config import RunConfig
 from fedspear.fl.partition import dirichlet_partitions
 from fedspear.fl.strategy import from_record, to_record
+from fedspear.traces import TraceStore
 
 app = ClientApp()
 
@@ -63,7 +68,12 @@ def train(msg: Message, context: Context) -> Message:
     worker = get_worker(cfg)
     pid, indices = partition_of(context, cfg, worker)
     global_arrays = from_record(msg.content["arrays"])
-    arrays, metrics = worker.round(global_arrays, indices, pid, int(config["server-round"]), float(config["lr"]))
+    server_round, lr = int(config["server-round"]), float(config["lr"])
+    traces = context.node_config.get("trace-db")
+    if traces:  # a node where people give feedback: train on their stored trajectories (fedspear chat)
+        arrays, metrics = worker.human_round(global_arrays, TraceStore(str(traces)), pid, server_round, lr)
+    else:
+        arrays, metrics = worker.round(global_arrays, indices, pid, server_round, lr)
     metrics["partition-id"] = pid
     arrays, metrics = _inject_fault(pid, arrays, metrics)
     metric_record = MetricRecord({k: _metric(v) for k, v in metrics.items()})

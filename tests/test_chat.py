@@ -1,0 +1,160 @@
+"""``fedspear chat``: the JSON API (FastAPI's test client) and the page in a real headless Chromium (Playwright),
+with every conversation checked in the SQLite trace store. The tiny random model answers (its words are noise;
+the flow is what is tested)."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import socket
+import sqlite3
+import threading
+import time
+
+import pytest
+from fastapi.testclient import TestClient
+
+from fedspear.chat import ChatModel, create_app
+from fedspear.traces import TraceStore
+
+
+@pytest.fixture(scope="module")
+def responder():
+    from fedspear.model import tiny_model
+
+    model, tokenizer = tiny_model(seed=0)
+    model.eval()
+    return ChatModel(model, tokenizer, "fp32", "tiny-random", max_new_tokens=6)
+
+
+def test_ask_judge_revise_and_store(responder, tmp_path):
+    store = TraceStore(tmp_path / "traces.db")
+    client = TestClient(create_app(store, responder, max_revisions=2))
+    first = client.post("/api/ask", json={"prompt": "Why is the sky blue?"}).json()
+    tid = first["trajectory_id"]
+    assert first["n"] == 0 and first["revisions_left"] == 2 and isinstance(first["answer"], str)
+    second = client.post("/api/judge", json={"trajectory_id": tid, "correct": False,
+                                             "hint": "Think about scattering."}).json()
+    assert second["n"] == 1 and not second["closed"]
+    third = client.post("/api/judge", json={"trajectory_id": tid, "correct": False, "hint": "Shorter waves."}).json()
+    assert third["n"] == 2 and third["revisions_left"] == 0
+    done = client.post("/api/judge", json={"trajectory_id": tid, "correct": False, "hint": "Still no."}).json()
+    assert done["closed"]  # y0 + N = 2 revisions spent: closed, no third revision
+    traj = store.get(tid)
+    assert traj.closed and len(traj.attempts) == 3 and traj.model_version == "tiny-random"
+    assert [a.verdict for a in traj.attempts] == [False, False, False]
+    assert [a.hint for a in traj.attempts] == ["Think about scattering.", "Shorter waves.", "Still no."]
+    assert [a.completion for a in traj.attempts] == [first["answer"], second["answer"], third["answer"]]
+    assert all(a.completion_ids for a in traj.attempts)
+
+    right = client.post("/api/ask", json={"prompt": "Say hi."}).json()
+    assert client.post("/api/judge", json={"trajectory_id": right["trajectory_id"], "correct": True}).json()["closed"]
+    listing = client.get("/api/trajectories").json()
+    assert listing["counts"] == {"total": 2, "open": 0, "trainable": 2, "used": 0}
+    assert listing["trajectories"][0]["prompt"] == "Say hi."
+
+
+def test_bad_requests_get_clear_errors(responder, tmp_path):
+    store = TraceStore(tmp_path / "traces.db")
+    client = TestClient(create_app(store, responder, max_revisions=1))
+    assert client.post("/api/ask", json={"prompt": ""}).status_code == 422
+    assert client.post("/api/ask", json={"question": "wrong field"}).status_code == 422
+    assert client.post("/api/ask", json={"prompt": "   "}).status_code == 422
+    missing = client.post("/api/judge", json={"trajectory_id": 42, "correct": True})
+    assert missing.status_code == 404 and "trajectory 42" in missing.json()["detail"]
+    tid = client.post("/api/ask", json={"prompt": "Q?"}).json()["trajectory_id"]
+    assert client.post("/api/judge", json={"trajectory_id": tid, "correct": "maybe"}).status_code == 422
+    client.post("/api/judge", json={"trajectory_id": tid, "correct": True})
+    closed = client.post("/api/judge", json={"trajectory_id": tid, "correct": False, "hint": "h"})
+    assert closed.status_code == 409 and "closed" in closed.json()["detail"]
+    assert store.counts()["total"] == 1
+    with pytest.raises(ValueError, match="max_revisions"):
+        create_app(store, responder, max_revisions=-1)
+
+
+def _chromium() -> str:
+    path = os.environ.get("FEDSPEAR_CHROMIUM") or shutil.which("chromium") or shutil.which("chromium-browser")
+    if not path:
+        pytest.fail("the browser test needs Chromium: `make test` installs Debian's chromium (or set FEDSPEAR_CHROMIUM)")
+    return path
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture
+def served(responder, tmp_path):
+    """The app served by uvicorn on 127.0.0.1 in a thread; stopped after the test."""
+    import uvicorn
+
+    store = TraceStore(tmp_path / "traces.db")
+    port = _free_port()
+    server = uvicorn.Server(uvicorn.Config(create_app(store, responder, max_revisions=2), host="127.0.0.1",
+                                           port=port, log_level="warning"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 30
+    while not server.started:
+        assert time.monotonic() < deadline, "uvicorn did not start in 30 s"
+        time.sleep(0.05)
+    yield f"http://127.0.0.1:{port}/", store
+    server.should_exit = True
+    thread.join(timeout=10)
+
+
+def test_a_person_asks_marks_wrong_types_a_hint_and_sees_the_revision(served):
+    """In headless Chromium: ask, 👎, type a hint, Revise → the revision appears; 👍 → saved. Then the trajectory
+    is in SQLite (read with plain sqlite3, as a person inspecting the file would) with both attempts, the verdicts,
+    the hint and timestamps."""
+    from playwright.sync_api import expect, sync_playwright
+
+    url, store = served
+    with sync_playwright() as pw:
+        browser = pw.chromium.launch(executable_path=_chromium(), headless=True,
+                                     args=["--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage"])
+        try:
+            page = browser.new_page()
+            page.goto(url)
+            page.fill("#prompt", "Which planet is known as the red planet?")
+            page.click("#ask")
+            expect(page.locator("#answer-0")).to_be_visible(timeout=60_000)
+            first = page.locator("#answer-0").inner_text()
+            page.click("#wrong")
+            page.fill("#hint", "Think about the colour of rust.")
+            page.click("#revise")
+            expect(page.locator("#answer-1")).to_be_visible(timeout=60_000)
+            expect(page.locator(".turn.hint")).to_have_text("Think about the colour of rust.")
+            second = page.locator("#answer-1").inner_text()
+            page.click("#right")
+            expect(page.locator("#status")).to_contain_text("saved conversation", timeout=30_000)
+            expect(page.locator("#stored")).to_contain_text("1 stored, 1 waiting for the next round")
+        finally:
+            browser.close()
+
+    conn = sqlite3.connect(store.path)
+    (tid, prompt, version, closed_at), = conn.execute(
+        "SELECT id, prompt, model_version, closed_at FROM trajectories").fetchall()
+    rows = conn.execute("SELECT n, completion, verdict, hint, answered_at, judged_at FROM attempts "
+                        "WHERE trajectory_id = ? ORDER BY n", (tid,)).fetchall()
+    conn.close()
+    assert prompt == "Which planet is known as the red planet?" and version == "tiny-random" and closed_at
+    assert [(n, v, h) for n, _, v, h, _, _ in rows] == [(0, 0, "Think about the colour of rust."), (1, 1, None)]
+    assert [r[1].strip() for r in rows] == [first.strip(), second.strip()]
+    assert all(a and j and j >= a for *_, a, j in rows)
+
+
+def test_chat_command_refuses_a_file_that_is_not_a_trace_store(tmp_path):
+    from typer.testing import CliRunner
+
+    from fedspear.cli import app
+
+    notes = tmp_path / "notes.db"
+    notes.write_text("my shopping list, not a database " * 40)
+    result = CliRunner().invoke(app, ["chat", "--traces", str(notes)])
+    assert result.exit_code == 2
+    assert "notes.db" in result.output and "trace store" in result.output
+    missing = CliRunner().invoke(app, ["chat", "--traces", str(tmp_path / "t.db"), "--adapter", str(tmp_path / "x")])
+    assert missing.exit_code == 2 and "no peft adapter" in missing.output

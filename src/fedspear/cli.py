@@ -323,6 +323,48 @@ def chat(
     serve(traces, responder, max_revisions=max_revisions, host=host, port=port)
 
 
+@app.command()
+def certs(
+    out_dir: Path = typer.Argument(..., help="folder for ca.pem, server.pem/.key and <node>.key/.pub"),
+    host: list[str] = typer.Option([], "--host", help="an address the SuperLink is reached at (repeat; 127.0.0.1 "
+                                                        "and localhost are always included)"),
+    node: list[str] = typer.Option([], "--node", help="make an authentication key pair for this SuperNode (repeat)"),
+    days: int = typer.Option(365, help="certificate validity in days"),
+    keys_only: bool = typer.Option(False, help="only the --node key pairs (on a SuperNode: its key never leaves it)"),
+    overwrite: bool = typer.Option(False, help="replace existing files (default: keep them)"),
+) -> None:
+    """Make a deployment's TLS CA and SuperLink certificate, and SuperNode authentication keys (see README 'Deploy')."""
+    from .deploy import make_node_keys, make_server_certificates
+
+    try:
+        paths = None if keys_only else make_server_certificates(out_dir, host, days=days, overwrite=overwrite)
+        keys = [make_node_keys(out_dir, name, overwrite=overwrite) for name in node]
+    except (OSError, ValueError) as err:
+        _fail(str(err))
+    if paths:
+        print(f"CA {paths.ca_cert}  (give it to every SuperNode and `flwr` user: --root-certificates)")
+        print(f"SuperLink certificate {paths.server_cert}, key {paths.server_key}")
+    for k in keys:
+        print(f"SuperNode {k.name}: private key {k.private_key} (stays on the node), public key {k.public_key} "
+              f"(register it: flwr supernode register {k.public_key} <connection>)")
+
+
+@app.command("node-worker")
+def node_worker(
+    address: str = typer.Option("127.0.0.1:9301", help="loopback host:port to listen on"),
+    key_file: Path = typer.Option(..., help="shared key file (created, mode 0600, if missing); the SuperNode's "
+                                            "node config names it as worker-key"),
+) -> None:
+    """Hold the base model for one SuperNode across rounds (its ClientApp sends each round here)."""
+    from .fl.node_worker import serve
+
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        serve(address, key_file)
+    except (OSError, ValueError) as err:
+        _fail(str(err))
+
+
 def main() -> None:  # pragma: no cover - console entry
     app()
 

@@ -1,7 +1,10 @@
 """Flower ClientApp: unpack the message, run one SPEAR client-round, pack a reply with a *copy* of the adapter.
 
-The base model is loaded once per process (module-level ``_WORKER``): in the simulation engine that is one Ray
-actor holding one base model for every simulated client it plays; rounds never reload weights.
+The base model is loaded once per process (module-level ``_RUNNER``): in the simulation engine that is one Ray
+actor holding one base model for every simulated client it plays; rounds never reload weights. A SuperNode starts
+a fresh ClientApp process per message, so there the node config names a long-lived node worker
+(``worker-address``, ``worker-key``) and the round runs in it (``fedspear.fl.node_worker``, which also lists every
+node-config key read here). Every reply's metrics carry ``model_loads`` and ``worker_pid``.
 The reply carries only LoRA tensors and counters (``weight`` is the aggregation weight) — never prompts,
 answers or feedback text.
 
@@ -26,54 +29,47 @@ from flwr.clientapp import ClientApp
 
 from fedspear.client import Worker
 from fedspear.config import RunConfig
-from fedspear.fl.partition import dirichlet_partitions
+from fedspear.fl.node_worker import NodeRunner, NodeSettings, partition_indices, remote_round
 from fedspear.fl.strategy import from_record, to_record
-from fedspear.traces import TraceStore
 
 app = ClientApp()
 
-_WORKER: Worker | None = None
+_RUNNER = NodeRunner()
 
 
 def get_worker(cfg: RunConfig) -> Worker:
     """The process's worker, (re)loaded only when the model, data or LoRA shape changes."""
-    global _WORKER
-    if _WORKER is None or not _WORKER.compatible(cfg):
-        _WORKER = Worker.load(cfg)
-    _WORKER.cfg = cfg.resolved()  # per-round hyper-parameters may differ (same model)
-    return _WORKER
+    return _RUNNER.worker_for(cfg)[0]
 
 
 def partition_of(context: Context, cfg: RunConfig, worker: Worker) -> tuple[int, list[int]]:
-    """This node's partition id and train indices (simulation: ``partition-id`` from the node config).
+    """This node's partition id and train indices (``partition-id`` and optional ``data-dir`` from the node config).
 
     Raises:
         ValueError: the node config lacks ``partition-id`` or it is outside 0..num_clients-1.
     """
-    node = context.node_config
-    if "partition-id" not in node:
-        raise ValueError("node config has no 'partition-id' (start the SuperNode with --node-config 'partition-id=K')")
-    pid = int(node["partition-id"])
-    if not 0 <= pid < cfg.num_clients:
-        raise ValueError(f"partition-id {pid} is outside 0..{cfg.num_clients - 1} (num_clients = {cfg.num_clients})")
-    parts = dirichlet_partitions(worker.examples, cfg.num_clients, cfg.dirichlet_alpha, cfg.seed)
-    return pid, parts[pid]
+    node = NodeSettings.from_node_config(context.node_config, cfg.num_clients)
+    return node.partition_id, partition_indices(worker.examples, cfg, node.partition_id, bool(node.data_dir))
 
 
 @app.train()
 def train(msg: Message, context: Context) -> Message:
-    """Set adapter → interaction → local training → reply with the adapter copy, ``weight`` and counters."""
+    """Set adapter → interaction → local training → reply with the adapter copy, ``weight`` and counters.
+
+    Raises:
+        ValueError: bad node config (see ``NodeSettings``).
+        ConnectionError / RuntimeError: the node worker is not running or failed (the server drops this client).
+    """
     config = msg.content["config"]
     cfg = RunConfig(**json.loads(str(config["fedspear-config"])))
-    worker = get_worker(cfg)
-    pid, indices = partition_of(context, cfg, worker)
+    node = NodeSettings.from_node_config(context.node_config, cfg.num_clients)
     global_arrays = from_record(msg.content["arrays"])
     server_round, lr = int(config["server-round"]), float(config["lr"])
-    traces = context.node_config.get("trace-db")
-    if traces:  # a node where people give feedback: train on their stored trajectories (fedspear chat)
-        arrays, metrics = worker.human_round(global_arrays, TraceStore(str(traces)), pid, server_round, lr)
+    if node.worker_address:
+        arrays, metrics = remote_round(node, cfg, global_arrays, server_round, lr)
     else:
-        arrays, metrics = worker.round(global_arrays, indices, pid, server_round, lr)
+        arrays, metrics = _RUNNER.round(cfg, node, global_arrays, server_round, lr)
+    pid = node.partition_id
     metrics["partition-id"] = pid
     arrays, metrics = _inject_fault(pid, arrays, metrics)
     metric_record = MetricRecord({k: _metric(v) for k, v in metrics.items()})

@@ -1,0 +1,416 @@
+"""A real Flower deployment on one machine: 1 SuperLink + 2 SuperNodes on 127.0.0.1, TLS and SuperNode auth, 2 rounds.
+
+    nice -n 19 .venv/bin/python examples/deploy-local/run.py --output-dir runs/deploy-local
+
+What it does, in order (every process it starts gets its own log under ``<output>/logs/``):
+
+1. makes a CA, the SuperLink's certificate (127.0.0.1, localhost) and three SuperNode key pairs (``fedspear.deploy``);
+2. starts ``flower-superlink`` with TLS and ``--enable-supernode-auth``;
+3. registers the public keys of ``node-0`` and ``node-1`` with ``flwr supernode register`` (not ``intruder``'s);
+4. starts one node worker per node (``fedspear node-worker``: holds the base model across rounds) and the two
+   SuperNodes (``--node-config 'partition-id=K num-partitions=2 worker-address=… worker-key=…'``);
+5. starts a third SuperNode with the unregistered key and checks the SuperLink refuses it (its exit code and log,
+   and the SuperLink's log line, go to ``summary.json``);
+6. submits the app with ``flwr run <repo> deploy-local`` and waits (``flwr ls``) until the run finishes or
+   ``--timeout`` seconds pass;
+7. prints seconds per round and base-model loads per node per round, writes ``summary.json``;
+8. stops every process it started, and their children, by PID — also on error and Ctrl-C — and reports any left.
+
+Exit code 0 only when the run completed every round, the intruder was refused and nothing is left running.
+``--no-worker`` leaves the node workers out, so each fresh ClientApp process loads the model itself (to measure
+what the worker saves).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import time
+import uuid
+from pathlib import Path
+
+import psutil
+
+from fedspear.deploy import make_node_keys, make_server_certificates
+from fedspear.fl.node_worker import ping
+
+REPO = Path(__file__).resolve().parents[2]
+BIN = Path(sys.executable).parent  # flower-superlink, flower-supernode, flwr live beside this Python
+NODES = ("node-0", "node-1")
+CONNECTION = "deploy-local"
+TAG_VAR = "FEDSPEAR_DEPLOY_TAG"  # set in every process started here, to find strays by PID at the end
+
+
+def free_port() -> int:
+    """A TCP port free on 127.0.0.1 right now (the OS picks it)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Processes:
+    """Every process this script starts, each with a log file; ``stop`` ends them and their children by PID."""
+
+    def __init__(self, logs: Path, env: dict[str, str]):
+        self.logs, self.env = logs, env
+        self.started: dict[str, subprocess.Popen] = {}
+
+    def start(self, name: str, cmd: list[str], env: dict[str, str] | None = None) -> subprocess.Popen:
+        log = open(self.logs / f"{name}.log", "wb")
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env={**self.env, **(env or {})},
+                                cwd=self.logs.parent)
+        log.close()
+        self.started[name] = proc
+        return proc
+
+    def log_text(self, name: str) -> str:
+        return (self.logs / f"{name}.log").read_text(errors="replace")
+
+    def tagged(self) -> list[psutil.Process]:
+        """Live processes carrying this deployment's tag (children started by Flower inherit the environment)."""
+        tag = self.env[TAG_VAR]
+        found = []
+        for p in psutil.process_iter(["pid"]):
+            if p.pid == os.getpid():
+                continue
+            try:
+                if p.environ().get(TAG_VAR) == tag and p.status() != psutil.STATUS_ZOMBIE:
+                    found.append(p)
+            except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
+                continue
+        return found
+
+    def _wait(self, procs, timeout: float) -> bool:
+        """Poll (and reap our own children) until none of ``procs`` is alive; False if ``timeout`` s pass first."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            for popen in self.started.values():
+                popen.poll()
+            if not any(_alive(p) for p in procs):
+                return True
+            time.sleep(0.2)
+        return False
+
+    def stop(self, grace: float = 15.0) -> list[int]:
+        """SIGTERM to every started process and its descendants (leaves first), SIGKILL after ``grace`` s.
+
+        The tree is collected before anything is signalled (a SuperLink's SuperExec runs in its own session and
+        would otherwise be re-parented out of sight); processes with this run's tag are added. Returns the PIDs
+        still alive afterwards (empty when all stopped).
+        """
+        procs: dict[int, psutil.Process] = {}
+        for popen in self.started.values():
+            try:
+                root = psutil.Process(popen.pid)
+                for p in [*root.children(recursive=True)[::-1], root]:
+                    procs[p.pid] = p
+            except psutil.Error:
+                pass
+        for p in self.tagged():
+            procs.setdefault(p.pid, p)
+        for p in procs.values():
+            try:
+                p.send_signal(signal.SIGTERM)
+            except psutil.Error:
+                pass
+        if not self._wait(procs.values(), grace):
+            for p in procs.values():
+                try:
+                    if _alive(p):
+                        p.kill()
+                except psutil.Error:
+                    pass
+            self._wait(procs.values(), 5.0)
+        return sorted(p.pid for p in self.tagged())
+
+
+def _alive(p: psutil.Process) -> bool:
+    try:
+        return p.is_running() and p.status() != psutil.STATUS_ZOMBIE
+    except psutil.Error:
+        return False
+
+
+def flwr(procs: Processes, home: Path, *args: str, timeout: float = 120) -> dict:
+    """Run a ``flwr`` CLI command with ``--format json`` against the deployment; its JSON answer.
+
+    Raises:
+        RuntimeError: the command failed (its output is in the message).
+    """
+    out = subprocess.run([str(BIN / "flwr"), *args, "--format", "json"], capture_output=True, text=True,
+                         env={**procs.env, "FLWR_HOME": str(home)}, timeout=timeout, cwd=REPO)
+    try:
+        answer = json.loads(out.stdout)
+    except json.JSONDecodeError:
+        answer = {}
+    if out.returncode != 0 or not answer.get("success"):
+        raise RuntimeError(f"flwr {' '.join(args)} failed ({out.returncode}): {out.stdout[-2000:]} {out.stderr[-2000:]}")
+    return answer
+
+
+def wait_for_port(proc: subprocess.Popen, port: int, what: str, timeout: float = 120) -> None:
+    """Until something accepts TCP connections on 127.0.0.1:port. Raises RuntimeError if ``proc`` exits or time is up."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"{what} exited with code {proc.returncode} before listening; see its log")
+        with socket.socket() as s:
+            s.settimeout(1)
+            if s.connect_ex(("127.0.0.1", port)) == 0:
+                return
+        time.sleep(0.5)
+    raise RuntimeError(f"{what} did not listen on 127.0.0.1:{port} within {timeout:.0f} s")
+
+
+def wait_for_worker(proc: subprocess.Popen, address: str, key: Path, timeout: float = 120) -> dict:
+    """Until the node worker answers a ping (it has written its key and listens). Raises RuntimeError otherwise."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"node worker {address} exited with code {proc.returncode}; see its log")
+        try:
+            return ping(address, key)
+        except (ConnectionError, FileNotFoundError, ValueError):
+            time.sleep(0.5)
+    raise RuntimeError(f"node worker {address} did not answer within {timeout:.0f} s")
+
+
+def write_run_settings(path: Path, args: argparse.Namespace) -> None:
+    """The run's fedspear settings beyond the keys ``[tool.flwr.app.config]`` declares (read by the ServerApp)."""
+    path.write_text("\n".join([
+        f'model = "{args.model}"',
+        f"local_steps = {args.local_steps}",
+        f"batch_size = {args.batch_size}",
+        f"train_size = {args.train_size}",
+        "eval_every = 1",
+        f"seed = {args.seed}",
+        f"round_timeout = {float(args.timeout)}",
+        *([f"max_new_tokens = {args.max_new_tokens}"] if args.max_new_tokens else []),
+    ]) + "\n")
+
+
+def read_records(run_dir: Path) -> list[dict]:
+    """The rounds in ``metrics.jsonl`` so far (a line still being written is left for the next look)."""
+    path = run_dir / "metrics.jsonl"
+    records = []
+    for line in path.read_text().splitlines() if path.exists() else []:
+        try:
+            records.append(json.loads(line))
+        except json.JSONDecodeError:
+            break
+    return records
+
+
+ANSI = re.compile(r"\x1b\[[0-9;]*m")
+PEM = re.compile(r"b'-----BEGIN PUBLIC KEY-----.*?-----END PUBLIC KEY-----\\n'")
+
+
+def summarise(records: list[dict]) -> list[dict]:
+    """Per round: seconds, accuracy, and per node (partition id) the worker pid and model loads in that round."""
+    rounds, last_loads = [], {}
+    for r in records:
+        if r["round"] == 0:
+            continue
+        nodes = {}
+        for c in sorted(r["clients"], key=lambda c: (c.get("partition-id", 1 << 30), c["node_id"])):
+            if "error" in c:
+                nodes[str(c.get("partition-id", c["node_id"]))] = {"error": c["error"]}
+                continue
+            pid, worker, loads = c["partition-id"], c["worker_pid"], c["model_loads"]
+            before = last_loads.get(pid, (None, 0))
+            nodes[str(pid)] = {"worker_pid": worker, "model_loads_total": loads,
+                               "model_loads_this_round": loads - before[1] if before[0] == worker else loads,
+                               "seconds_load_model": c.get("seconds_load_model", 0.0)}
+            last_loads[pid] = (worker, loads)
+        rounds.append({"round": r["round"], "seconds": r["seconds"]["round"], "clients_ok": r["clients_ok"],
+                       "acc_gen": (r.get("eval") or {}).get("acc_gen"), "nodes": nodes})
+    return rounds
+
+
+def deploy(args: argparse.Namespace, procs: Processes, out: Path, summary: dict) -> None:
+    """Steps 1–7 of the module docstring; fills ``summary`` as it goes. Raises RuntimeError on any failure."""
+    certs = out / "certs"
+    paths = make_server_certificates(certs)
+    keys = {name: make_node_keys(certs, name) for name in (*NODES, "intruder")}
+    link_port = free_port()
+    link_home, cli_home = out / "superlink", out / "cli"
+    for home in (link_home, cli_home):
+        home.mkdir(parents=True, exist_ok=True)
+
+    link = procs.start("superlink", [
+        str(BIN / "flower-superlink"), "--ssl-ca-certfile", str(paths.ca_cert), "--ssl-certfile", str(paths.server_cert),
+        "--ssl-keyfile", str(paths.server_key), "--enable-supernode-auth", "--host", "127.0.0.1",
+        "--port", str(link_port), "--database", str(link_home / "state.db"),
+        "--disable-runtime-dependency-installation"], env={"FLWR_HOME": str(link_home)})
+    wait_for_port(link, link_port, "SuperLink")
+    (cli_home / "config.toml").write_text(
+        f'[superlink]\ndefault = "{CONNECTION}"\n\n[superlink.{CONNECTION}]\naddress = "127.0.0.1:{link_port}"\n'
+        f'root-certificates = "{paths.ca_cert}"\n')
+    summary["superlink"] = f"127.0.0.1:{link_port}"
+    summary["registered"] = {name: flwr(procs, cli_home, "supernode", "register", str(keys[name].public_key),
+                                        CONNECTION)["node-id"] for name in NODES}
+    print(f"SuperLink on 127.0.0.1:{link_port} (TLS, SuperNode auth); registered {summary['registered']}", flush=True)
+
+    # the nodes share this machine's cores (on real machines each has its own): split them, not oversubscribe
+    threads = max(1, (os.cpu_count() or 1) // len(NODES))
+    for k, name in enumerate(NODES):
+        home = out / name
+        home.mkdir(exist_ok=True)
+        node_config = f"partition-id={k} num-partitions={len(NODES)}"
+        if not args.no_worker:
+            address, key = f"127.0.0.1:{free_port()}", home / "worker.key"
+            worker = procs.start(f"{name}-worker", [sys.executable, "-m", "fedspear.cli", "node-worker",
+                                                    "--address", address, "--key-file", str(key)],
+                                 env={"OMP_NUM_THREADS": str(threads)})
+            wait_for_worker(worker, address, key)
+            summary.setdefault("workers", {})[name] = {"address": address, "key": str(key)}
+            node_config += f' worker-address="{address}" worker-key="{key}"'
+        procs.start(name, [
+            str(BIN / "flower-supernode"), "--superlink", f"127.0.0.1:{link_port}",
+            "--root-certificates", str(paths.ca_cert), "--auth-supernode-private-key", str(keys[name].private_key),
+            "--node-config", node_config, "--host", "127.0.0.1", "--port", str(free_port())],
+            env={"FLWR_HOME": str(home / ".flwr"), "OMP_NUM_THREADS": str(threads)})
+
+    # the unregistered SuperNode: same CA, valid key pair, but its public key was never registered
+    t0 = time.monotonic()
+    intruder = procs.start("intruder", [
+        str(BIN / "flower-supernode"), "--superlink", f"127.0.0.1:{link_port}",
+        "--root-certificates", str(paths.ca_cert), "--auth-supernode-private-key", str(keys["intruder"].private_key),
+        "--node-config", "partition-id=1 num-partitions=2", "--host", "127.0.0.1", "--port", str(free_port()),
+        "--max-retries", "2", "--max-wait-time", "60"], env={"FLWR_HOME": str(out / "intruder")})
+    try:
+        code = intruder.wait(timeout=180)
+    except subprocess.TimeoutExpired:
+        code = None
+    node_log = ANSI.sub("", procs.log_text("intruder"))
+    link_lines = [line for line in ANSI.sub("", procs.log_text("superlink")).splitlines()
+                  if "activate-node" in line and ("No SuperNode found" in line or " 412" in line)]
+    summary["intruder"] = {
+        "exit_code": code, "seconds": round(time.monotonic() - t0, 1),
+        "refused": code not in (None, 0) and "Failed to activate SuperNode" in node_log and bool(link_lines),
+        "supernode_log": [line for line in node_log.splitlines() if "ERROR" in line or "code:" in line or "Failed" in line],
+        "superlink_log": [PEM.sub("<public key>", line) for line in link_lines],
+    }
+    print(f"unregistered SuperNode: exit code {code}, refused = {summary['intruder']['refused']}", flush=True)
+    if not summary["intruder"]["refused"]:
+        raise RuntimeError("the unregistered SuperNode was not refused (see logs/intruder.log, logs/superlink.log)")
+
+    run_dir = out / "run"
+    settings = out / "run-settings.toml"
+    write_run_settings(settings, args)
+    run_config = (f'run-dir="{run_dir}" config-file="{settings}" num-clients={len(NODES)} '
+                  f"clients-per-round={len(NODES)} rounds={args.rounds} rollouts-per-round={args.rollouts_per_round} "
+                  f"eval-size={args.eval_size}")
+    started = time.monotonic()
+    run_id = int(flwr(procs, cli_home, "run", str(REPO), CONNECTION, "--run-config", run_config)["run-id"])
+    summary["run_id"] = run_id
+    print(f"run {run_id} submitted: {run_config}", flush=True)
+
+    status, shown, asked = "", 0, 0.0
+    deadline = started + args.timeout
+    while time.monotonic() < deadline:
+        records = read_records(run_dir)
+        for r in records[shown:]:
+            print(f"  round {r['round']} done at {time.monotonic() - started:.0f} s "
+                  f"({r['seconds'].get('round', r['seconds'].get('evaluate', 0)):.1f} s)", flush=True)
+        done = len(records) > args.rounds
+        if done or time.monotonic() - asked > 30:  # each `flwr ls` is a Python start-up: ask every 30 s
+            status, asked = flwr(procs, cli_home, "ls", "--run-id", str(run_id))["runs"][0]["status"], time.monotonic()
+            if status.startswith("finished"):
+                break
+        shown = len(records)
+        for name, proc in procs.started.items():
+            if name != "intruder" and proc.poll() is not None:
+                raise RuntimeError(f"{name} exited with code {proc.returncode} during the run; see logs/{name}.log")
+        time.sleep(2 if done else 5)
+    summary["run_status"] = status
+    summary["run_seconds"] = round(time.monotonic() - started, 1)
+    if not status.startswith("finished"):
+        raise RuntimeError(f"run {run_id} still '{status}' after {args.timeout} s")
+    summary["supernodes"] = {n["node-id"]: n["status"] for n in flwr(procs, cli_home, "supernode", "list")["nodes"]}
+    records = read_records(run_dir)
+    summary["rounds"] = summarise(records)
+    summary["round0_seconds"] = records[0]["seconds"].get("evaluate")
+    if not args.no_worker:
+        summary["worker_loads"] = {name: ping(w["address"], w["key"]) for name, w in summary["workers"].items()}
+    if status != "finished:completed" or len(summary["rounds"]) != args.rounds:
+        raise RuntimeError(f"run {run_id} ended '{status}' with {len(summary['rounds'])} of {args.rounds} rounds "
+                           "(see logs/superlink.log and `flwr log`)")
+
+
+def _interrupted(signum, frame) -> None:
+    raise KeyboardInterrupt
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--output-dir", default="runs/deploy-local", help="certificates, logs, run directory")
+    parser.add_argument("--model", default="smollm2-135m", help="packaged name, local HF folder or hub id")
+    parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--rollouts-per-round", type=int, default=4)
+    parser.add_argument("--eval-size", type=int, default=8)
+    parser.add_argument("--local-steps", type=int, default=2)
+    parser.add_argument("--batch-size", type=int, default=2)
+    parser.add_argument("--train-size", type=int, default=40)
+    parser.add_argument("--max-new-tokens", type=int, default=0, help="0 = the task's default")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--timeout", type=float, default=1800, help="seconds the run may take once submitted")
+    parser.add_argument("--no-worker", action="store_true", help="no node workers: each ClientApp loads the model")
+    args = parser.parse_args()
+
+    out = Path(args.output_dir).resolve()
+    if (out / "run" / "metrics.jsonl").exists():
+        print(f"error: {out} already holds a run; remove it or choose another --output-dir", file=sys.stderr)
+        return 2
+    (out / "logs").mkdir(parents=True, exist_ok=True)
+    env = {**os.environ, TAG_VAR: uuid.uuid4().hex, "FLWR_TELEMETRY_ENABLED": "0", "FLWR_DISABLE_UPDATE_CHECK": "1",
+           "FLWR_DISABLE_RUNTIME_DEPENDENCY_INSTALLATION": "1", "PYTHONUNBUFFERED": "1",
+           # Flower starts flower-superexec / flwr-serverapp / flwr-clientapp from PATH
+           "PATH": os.pathsep.join([str(BIN), os.environ.get("PATH", "")]),
+           # every process imports the same fedspear as this script (a source checkout works too)
+           "PYTHONPATH": os.pathsep.join(filter(None, [str(Path(__import__("fedspear").__file__).parents[1]),
+                                                       os.environ.get("PYTHONPATH")]))}
+    procs = Processes(out / "logs", env)
+    summary: dict = {"output_dir": str(out), "worker": not args.no_worker, "rounds_wanted": args.rounds}
+    ok = False
+    signal.signal(signal.SIGTERM, _interrupted)  # `kill <pid>` of this script still stops everything it started
+    try:
+        deploy(args, procs, out, summary)
+        ok = True
+    except KeyboardInterrupt:
+        summary["error"] = "interrupted"
+    except Exception as err:  # noqa: BLE001 - reported, then everything is stopped
+        summary["error"] = f"{type(err).__name__}: {err}"
+    finally:
+        summary["pids_started"] = {name: p.pid for name, p in procs.started.items()}
+        try:
+            summary["leftover_pids"] = procs.stop()
+        except Exception as err:  # noqa: BLE001 - still write what we know
+            summary["leftover_pids"], summary["stop_error"] = None, f"{type(err).__name__}: {err}"
+        (out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+    print_summary(summary)
+    return 0 if ok and summary["leftover_pids"] == [] else 1
+
+
+def print_summary(s: dict) -> None:
+    print(f"\nsummary ({s['output_dir']}/summary.json)")
+    if "error" in s:
+        print(f"  FAILED: {s['error']}")
+    for r in s.get("rounds", []):
+        loads = ", ".join(f"node {k}: {v.get('model_loads_this_round', v.get('error'))}" for k, v in r["nodes"].items())
+        print(f"  round {r['round']}: {r['seconds']:.1f} s, accuracy {r['acc_gen']}, model loads this round: {loads}")
+    if "worker_loads" in s:
+        print(f"  node workers at the end: {s['worker_loads']}")
+    if "intruder" in s:
+        print(f"  unregistered SuperNode refused: {s['intruder']['refused']} (exit code {s['intruder']['exit_code']})")
+    print(f"  processes left running: {s['leftover_pids'] or 'none'}")
+
+
+if __name__ == "__main__":
+    sys.exit(main())

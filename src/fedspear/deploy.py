@@ -1,0 +1,183 @@
+"""Certificates and keys for a Flower deployment: a CA, the SuperLink's TLS certificate, SuperNode key pairs.
+
+    fedspear certs deploy/ --host 10.0.0.5 --host superlink.lan --node node-0 --node node-1
+
+What Flower 1.41 reads, and from where:
+
+- ``flower-superlink --ssl-ca-certfile ca.pem --ssl-certfile server.pem --ssl-keyfile server.key``: one TLS
+  certificate for the Fleet, Control and Runtime APIs (all on one HTTP port). Its subject alternative names must
+  hold every address the SuperNodes, the ``flwr`` CLI and the SuperLink's own SuperExec use to reach it (the
+  SuperExec dials the ``--host`` it binds to, so 127.0.0.1 is always included).
+- ``flower-supernode --root-certificates ca.pem``: the CA that signed the server certificate.
+- SuperNode authentication (``flower-superlink --enable-supernode-auth``): each SuperNode holds an EC private key on
+  a NIST curve in OpenSSH format (``--auth-supernode-private-key``; Flower's docs make them with
+  ``ssh-keygen -t ecdsa -b 384``) and its public key (OpenSSH one-liner) is registered with
+  ``flwr supernode register node.pub <connection>``. A SuperNode whose key is not registered is refused.
+
+Only ``cryptography`` is used (a dependency of Flower); no ``openssl`` binary, no Flower import. Private keys are
+written with mode 0600. This is a self-signed CA for a lab or a closed group of machines; a public SuperLink would
+use a certificate from a real CA instead.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import ipaddress
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Iterable
+
+from cryptography import x509
+from cryptography.hazmat.primitives import hashes, serialization
+from cryptography.hazmat.primitives.asymmetric import ec
+from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
+
+DEFAULT_HOSTS = ("127.0.0.1", "localhost")
+CURVE = ec.SECP384R1  # what `ssh-keygen -t ecdsa -b 384` makes; Flower accepts NIST curves only
+
+
+@dataclass(frozen=True)
+class ServerCertificates:
+    """Paths of the CA certificate and the SuperLink's certificate and private key (all PEM)."""
+
+    ca_cert: Path
+    ca_key: Path
+    server_cert: Path
+    server_key: Path
+
+
+@dataclass(frozen=True)
+class NodeKeys:
+    """Paths of one SuperNode's authentication key pair (OpenSSH private key, OpenSSH public one-liner)."""
+
+    name: str
+    private_key: Path
+    public_key: Path
+
+
+def _write_private(path: Path, data: bytes) -> None:
+    """Write a private key readable by its owner only (created 0600, never world-readable even briefly)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "wb") as f:
+        f.write(data)
+    os.chmod(path, 0o600)
+
+
+def _name(common_name: str) -> x509.Name:
+    return x509.Name([x509.NameAttribute(NameOID.ORGANIZATION_NAME, "fedspear"),
+                      x509.NameAttribute(NameOID.COMMON_NAME, common_name)])
+
+
+def _san(hosts: Iterable[str]) -> x509.SubjectAlternativeName:
+    """IP addresses as IP entries, anything else as a DNS name."""
+    entries: list[x509.GeneralName] = []
+    for host in hosts:
+        try:
+            entries.append(x509.IPAddress(ipaddress.ip_address(host)))
+        except ValueError:
+            entries.append(x509.DNSName(host))
+    return x509.SubjectAlternativeName(entries)
+
+
+def make_server_certificates(out_dir: str | Path, hosts: Iterable[str] = DEFAULT_HOSTS, days: int = 365,
+                             overwrite: bool = False) -> ServerCertificates:
+    """Write ``ca.pem``/``ca.key`` (a self-signed CA) and ``server.pem``/``server.key`` (signed by it) to ``out_dir``.
+
+    Args:
+        hosts: addresses the SuperLink is reached at (IPs and DNS names); 127.0.0.1 and localhost are always added.
+        days: validity of both certificates.
+        overwrite: replace existing files; otherwise existing files are kept and returned (so re-running a setup
+            does not invalidate certificates already copied to SuperNodes).
+    Raises:
+        ValueError: ``days`` < 1 or no host given.
+    """
+    out = Path(out_dir)
+    paths = ServerCertificates(out / "ca.pem", out / "ca.key", out / "server.pem", out / "server.key")
+    if not overwrite and all(p.is_file() for p in vars(paths).values()):
+        return paths
+    if days < 1:
+        raise ValueError(f"days must be at least 1 (got {days})")
+    hosts = list(dict.fromkeys([*DEFAULT_HOSTS, *hosts]))
+    now = dt.datetime.now(dt.timezone.utc) - dt.timedelta(minutes=5)  # tolerate small clock skew between machines
+    until = now + dt.timedelta(days=days)
+
+    ca_key = ec.generate_private_key(CURVE())
+    ca_name = _name("fedspear deployment CA")
+    ca_cert = (
+        x509.CertificateBuilder().subject_name(ca_name).issuer_name(ca_name).public_key(ca_key.public_key())
+        .serial_number(x509.random_serial_number()).not_valid_before(now).not_valid_after(until)
+        .add_extension(x509.BasicConstraints(ca=True, path_length=0), critical=True)
+        .add_extension(x509.KeyUsage(digital_signature=True, key_cert_sign=True, crl_sign=True,
+                                     content_commitment=False, key_encipherment=False, data_encipherment=False,
+                                     key_agreement=False, encipher_only=False, decipher_only=False), critical=True)
+        .add_extension(x509.SubjectKeyIdentifier.from_public_key(ca_key.public_key()), critical=False)
+        .sign(ca_key, hashes.SHA384())
+    )
+    server_key = ec.generate_private_key(CURVE())
+    server_cert = (
+        x509.CertificateBuilder().subject_name(_name(hosts[0])).issuer_name(ca_name)
+        .public_key(server_key.public_key()).serial_number(x509.random_serial_number())
+        .not_valid_before(now).not_valid_after(until)
+        .add_extension(_san(hosts), critical=False)
+        .add_extension(x509.BasicConstraints(ca=False, path_length=None), critical=True)
+        .add_extension(x509.ExtendedKeyUsage([ExtendedKeyUsageOID.SERVER_AUTH]), critical=False)
+        .add_extension(x509.AuthorityKeyIdentifier.from_issuer_public_key(ca_key.public_key()), critical=False)
+        .sign(ca_key, hashes.SHA384())
+    )
+    pem = serialization.Encoding.PEM
+    no_pass = serialization.NoEncryption()
+    out.mkdir(parents=True, exist_ok=True)
+    _write_private(paths.ca_key, ca_key.private_bytes(pem, serialization.PrivateFormat.PKCS8, no_pass))
+    paths.ca_cert.write_bytes(ca_cert.public_bytes(pem))
+    _write_private(paths.server_key, server_key.private_bytes(pem, serialization.PrivateFormat.PKCS8, no_pass))
+    paths.server_cert.write_bytes(server_cert.public_bytes(pem))
+    return paths
+
+
+def make_node_keys(out_dir: str | Path, name: str, overwrite: bool = False) -> NodeKeys:
+    """Write ``<name>.key`` (OpenSSH EC private key) and ``<name>.pub`` (its OpenSSH public key) to ``out_dir``.
+
+    Raises:
+        ValueError: ``name`` is empty or contains a path separator.
+    """
+    if not name or "/" in name or os.sep in name:
+        raise ValueError(f"a node key name must be a plain file name (got {name!r})")
+    out = Path(out_dir)
+    keys = NodeKeys(name, out / f"{name}.key", out / f"{name}.pub")
+    if not overwrite and keys.private_key.is_file() and keys.public_key.is_file():
+        return keys
+    key = ec.generate_private_key(CURVE())
+    _write_private(keys.private_key, key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.OpenSSH,
+                                                       serialization.NoEncryption()))
+    public = key.public_key().public_bytes(serialization.Encoding.OpenSSH, serialization.PublicFormat.OpenSSH)
+    keys.public_key.write_bytes(public + f" fedspear-{name}\n".encode())
+    return keys
+
+
+def verify_server_certificate(ca_cert: str | Path, server_cert: str | Path, host: str) -> None:
+    """Check that ``server_cert`` is signed by ``ca_cert``, is valid now, and names ``host`` (what a TLS client checks).
+
+    Raises:
+        ValueError: the signature, validity period or host name does not match (the message says which).
+    """
+    ca = x509.load_pem_x509_certificate(Path(ca_cert).read_bytes())
+    cert = x509.load_pem_x509_certificate(Path(server_cert).read_bytes())
+    try:
+        cert.verify_directly_issued_by(ca)
+    except (ValueError, TypeError) as err:
+        raise ValueError(f"{server_cert} is not issued by {ca_cert}: {err}") from None
+    except Exception as err:  # cryptography.exceptions.InvalidSignature
+        raise ValueError(f"{server_cert}: signature does not verify against {ca_cert} ({type(err).__name__})") from None
+    now = dt.datetime.now(dt.timezone.utc)
+    if not cert.not_valid_before_utc <= now <= cert.not_valid_after_utc:
+        raise ValueError(f"{server_cert} is not valid now ({cert.not_valid_before_utc} .. {cert.not_valid_after_utc})")
+    names = cert.extensions.get_extension_for_class(x509.SubjectAlternativeName).value
+    try:
+        wanted: object = ipaddress.ip_address(host)
+        found = wanted in names.get_values_for_type(x509.IPAddress)
+    except ValueError:
+        found = host in names.get_values_for_type(x509.DNSName)
+    if not found:
+        raise ValueError(f"{server_cert} does not name {host} (names: {[str(n.value) for n in names]})")

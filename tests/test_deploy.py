@@ -99,6 +99,33 @@ def test_node_settings_are_checked():
         NodeSettings.from_node_config({"partition-id": 0, "worker-address": "127.0.0.1:1"}, 2)
 
 
+def test_a_node_with_its_own_data_trains_on_all_of_it(tmp_path, monkeypatch, always_right):
+    """``data-dir`` in the node config: the node reads its train split from there and uses every item (no Dirichlet
+    slice), whatever the run's own ``data_dir``."""
+    import shutil
+
+    import fedspear.client as client_module
+    from fedspear.fl.node_worker import NodeRunner, NodeSettings
+    from fedspear.model import LoraSettings, add_lora, get_adapter, load_base
+    from fedspear.tasks.common import PACKAGE_DATA_DIR
+
+    monkeypatch.setattr(client_module, "OracleFeedback", lambda task: always_right)
+    local = tmp_path / "node-data" / "arc_challenge"
+    local.mkdir(parents=True)
+    lines = (PACKAGE_DATA_DIR / "arc_challenge" / "train.jsonl").read_text().splitlines()[:7]
+    (local / "train.jsonl").write_text("\n".join(lines) + "\n")
+    shutil.copy(PACKAGE_DATA_DIR / "arc_challenge" / "test.jsonl", local / "test.jsonl")
+    node = NodeSettings.from_node_config({"partition-id": 1, "data-dir": str(local.parent)}, num_clients=4)
+    cfg = RunConfig(model="tiny-random", num_clients=4, clients_per_round=1, rollouts_per_round=2, local_steps=1,
+                    batch_size=2, max_new_tokens=3, lora_r=4, lora_alpha=8)
+    base, _, _ = load_base("tiny-random")
+    arrays = get_adapter(add_lora(base, LoraSettings(4, 8, cfg.lora_dropout), seed=cfg.seed))
+    runner = NodeRunner()
+    _, metrics = runner.round(cfg, node, arrays, server_round=1, lr=1e-3)
+    assert metrics["partition-size"] == 7 and metrics["prompts"] == 2 and metrics["model_loads"] == 1
+    assert runner.worker.cfg.data_dir == str(local.parent)
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

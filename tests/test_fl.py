@@ -143,9 +143,55 @@ def test_no_raw_text_leaves_the_client(monkeypatch):
     reply = client_app.train(msg, context)
     assert set(reply.content.keys()) == {"arrays", "metrics"}
     assert not reply.content.config_records
-    assert all(k.startswith("base_model.") and "lora_" in k for k in reply.content["arrays"].keys())
+    assert set(reply.content["arrays"].keys()) == {"adapter", "adapter-layout"}  # packed: see test_adapter_packing
+    assert all(k.startswith("base_model.") and "lora_" in k for k in from_record(reply.content["arrays"]))
     wire = recorddict_to_proto(reply.content).SerializeToString()
     texts = [t for t in seen if len(t.strip()) >= 12]
     assert texts, "the spy saw no text"
     leaked = [t for t in texts if t.encode() in wire]
     assert not leaked, leaked[:2]
+
+
+def test_adapter_packing_round_trips_and_refuses_bad_layouts():
+    """``to_record`` sends one flat Array + layout (Flower moves each Array as its own objects); ``from_record``
+    restores names, order, shapes, dtype and values as copies, reads per-tensor records too, and refuses a layout
+    that does not match its buffer."""
+    from flwr.app import Array, ArrayRecord
+
+    arrays = {"b.lora_B": np.zeros((3, 2), np.float32), "a.lora_A": np.arange(6, dtype=np.float32).reshape(2, 3),
+              "s": np.float32(2.5).reshape(())}
+    record = to_record(arrays)
+    assert list(record.keys()) == ["adapter", "adapter-layout"] and list(record["adapter"].shape) == [13]  # 6 + 6 + 1 values
+    out = from_record(record)
+    assert list(out) == list(arrays)
+    assert all(out[k].shape == arrays[k].shape and out[k].dtype == np.float32 for k in arrays)
+    assert all(np.array_equal(out[k], arrays[k]) for k in arrays)
+    out["a.lora_A"][0, 0] = -1  # a copy: neither the source nor the record changes
+    assert arrays["a.lora_A"][0, 0] == 0 and from_record(record)["a.lora_A"][0, 0] == 0
+    mixed = {"x": np.zeros(2, np.float32), "y": np.zeros(2, np.float64)}
+    assert list(to_record(mixed).keys()) == ["x", "y"] and from_record(to_record(mixed))["y"].dtype == np.float64
+
+    def packed(flat, layout):
+        return ArrayRecord({"adapter": Array(flat), "adapter-layout": Array(np.frombuffer(layout.encode(), np.uint8).copy())})
+
+    flat = np.zeros(6, np.float32)
+    for layout, message in [
+        ('{"dtype": "float32", "tensors": [["w", [2, 2]]]}', "holds 4 values, the buffer 6"),
+        ('{"dtype": "float64", "tensors": [["w", [6]]]}', "layout says flat float64"),
+        ('{"dtype": "float32", "tensors": [["w", [3]], ["w", [3]]]}', "repeated tensor names"),
+        ('{"dtype": "float32", "tensors": [["w", [-6]]]}', "negative dimensions"),
+        ("not json", "unreadable layout"),
+    ]:
+        with pytest.raises(ValueError, match=message):
+            from_record(packed(flat, layout))
+
+    # the strategy excludes such a reply (with the reason) and aggregates the others
+    base = {"w": np.zeros(6, np.float32)}
+    strategy = WinWeightedFedAvg(clients_per_round=2, min_available_nodes=2)
+    strategy.current_arrays = to_record(base)
+    good = _reply(1.0, 2, base["w"])
+    bad = Message(content=RecordDict({"arrays": packed(flat, "not json"), "metrics": MetricRecord(
+        {"weight": 1, "num-wins": 1, "num-losses": 0, "prompts": 4})}), dst_node_id=0, message_type=MessageType.TRAIN)
+    out, _ = strategy.aggregate_train(1, [good, bad])
+    np.testing.assert_allclose(from_record(out)["w"], 1.0)
+    assert list(strategy.rejected.values()) == ["packed adapter: unreadable layout (Expecting value: line 1 column 1 (char 0))"]

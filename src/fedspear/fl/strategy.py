@@ -11,12 +11,15 @@ values, non-negative integer counters, optional update-norm bound); a failing re
 node id and reason, and the round goes on. For untrusted populations the unweighted robust rules of Flower's FedMedian
 and FedTrimmedAvg (``flwr.server.strategy.aggregate``) can replace the weighted mean.
 
+Adapters travel packed: one flat Array and its layout per message (``to_record``), not one Array per tensor.
+
 Client sampling is seeded per round over the nodes ordered by their partition id (learnt once through a query
 message), so a resumed run samples the same clients as an uninterrupted one.
 """
 
 from __future__ import annotations
 
+import json
 import logging
 import random
 import time
@@ -38,14 +41,56 @@ WEIGHT_KEY = "weight"
 log = logging.getLogger("fedspear")
 
 
+# One flat Array per message instead of one per tensor: Flower moves every Array (and each of its chunks) as a
+# separate object, one HTTP request per hop (SuperLink ↔ SuperNode ↔ ClientApp process, ``flwr/supercore/inflatable``).
+# SmolLM2-135M's adapter has 420 tensors: sent one by one they added ~60–90 s to every deployment round on this
+# 2-core machine (a round with almost no client work took 106 s; packed, 15–25 s; examples/deploy-local/README.md).
+# The layout (names, shapes, dtype) travels beside the buffer as JSON bytes.
+PACKED_KEY, LAYOUT_KEY = "adapter", "adapter-layout"
+
+
 def to_record(arrays: dict[str, np.ndarray]) -> ArrayRecord:
-    """An ArrayRecord holding *copies* of ``arrays`` (name → ndarray), in order."""
-    return ArrayRecord({k: Array(np.array(v, copy=True)) for k, v in arrays.items()})
+    """An ArrayRecord holding a *copy* of ``arrays`` (name → ndarray, in order): one flat Array plus its layout.
+
+    Tensors of different dtypes cannot share one buffer; then each travels as its own Array (as Flower's own
+    strategies send them).
+    """
+    dtypes = {np.asarray(v).dtype for v in arrays.values()}
+    if len(dtypes) != 1:
+        return ArrayRecord({k: Array(np.array(v, copy=True)) for k, v in arrays.items()})
+    layout = [[name, list(np.shape(v))] for name, v in arrays.items()]
+    flat = np.concatenate([np.asarray(v).ravel() for v in arrays.values()])  # a new buffer: a copy
+    text = json.dumps({"dtype": str(flat.dtype), "tensors": layout}).encode()
+    return ArrayRecord({PACKED_KEY: Array(flat), LAYOUT_KEY: Array(np.frombuffer(text, dtype=np.uint8).copy())})
 
 
 def from_record(record: ArrayRecord) -> dict[str, np.ndarray]:
-    """name → ndarray copies of an ArrayRecord."""
-    return {k: np.array(v.numpy(), copy=True) for k, v in record.items()}
+    """name → ndarray copies of an ArrayRecord, packed (``to_record``) or one Array per tensor.
+
+    Raises:
+        ValueError: a packed record whose layout is not valid JSON or does not match its buffer (names repeated,
+        negative dimensions, sizes that do not add up, another dtype).
+    """
+    if set(record.keys()) != {PACKED_KEY, LAYOUT_KEY}:
+        return {k: np.array(v.numpy(), copy=True) for k, v in record.items()}
+    flat = record[PACKED_KEY].numpy()
+    try:
+        layout = json.loads(record[LAYOUT_KEY].numpy().tobytes().decode())
+        dtype, tensors = layout["dtype"], [(str(name), tuple(int(d) for d in shape)) for name, shape in layout["tensors"]]
+    except (ValueError, KeyError, TypeError) as err:
+        raise ValueError(f"packed adapter: unreadable layout ({err})") from None
+    if flat.ndim != 1 or str(flat.dtype) != dtype:
+        raise ValueError(f"packed adapter: buffer is {flat.dtype}{list(flat.shape)}, layout says flat {dtype}")
+    if len({name for name, _ in tensors}) != len(tensors) or any(d < 0 for _, shape in tensors for d in shape):
+        raise ValueError("packed adapter: repeated tensor names or negative dimensions in the layout")
+    sizes = [int(np.prod(shape)) for _, shape in tensors]
+    if sum(sizes) != flat.size:
+        raise ValueError(f"packed adapter: the layout holds {sum(sizes)} values, the buffer {flat.size}")
+    out, start = {}, 0
+    for (name, shape), size in zip(tensors, sizes):
+        out[name] = flat[start:start + size].reshape(shape).copy()
+        start += size
+    return out
 
 
 def sum_metrics(records: list[RecordDict], weighting_metric_name: str) -> MetricRecord:
@@ -147,7 +192,11 @@ class WinWeightedFedAvg(FedAvg):
             elif len(msg.content.array_records) != 1 or len(msg.content.metric_records) != 1:
                 self.rejected[node] = "reply must hold exactly one ArrayRecord and one MetricRecord"
             else:
-                arrays = from_record(next(iter(msg.content.array_records.values())))
+                try:
+                    arrays = from_record(next(iter(msg.content.array_records.values())))
+                except ValueError as err:
+                    self.rejected[node] = str(err)
+                    continue
                 metrics = dict(next(iter(msg.content.metric_records.values())))
                 reason = check_reply(reference if reference is not None else arrays, arrays, metrics,
                                      self.max_update_norm)

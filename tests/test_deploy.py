@@ -109,7 +109,7 @@ def test_a_node_with_its_own_data_trains_on_all_of_it(tmp_path, monkeypatch, alw
     from fedspear.model import LoraSettings, add_lora, get_adapter, load_base
     from fedspear.tasks.common import PACKAGE_DATA_DIR
 
-    monkeypatch.setattr(client_module, "OracleFeedback", lambda task: always_right)
+    monkeypatch.setattr(client_module, "make_feedback", lambda task, *args, **kwargs: always_right)
     local = tmp_path / "node-data" / "arc_challenge"
     local.mkdir(parents=True)
     lines = (PACKAGE_DATA_DIR / "arc_challenge" / "train.jsonl").read_text().splitlines()[:7]

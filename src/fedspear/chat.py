@@ -29,7 +29,7 @@ from fastapi.responses import HTMLResponse
 from pydantic import BaseModel, Field
 
 from .interaction import generate, render
-from .traces import TraceStore, TraceStoreError, Trajectory
+from .traces import TraceStore, TraceStoreError, Trajectory, count
 
 DEFAULT_PORT = 8765
 
@@ -179,7 +179,8 @@ def create_app(store: TraceStore, responder: ChatModel, max_revisions: int = 2) 
 
     @app.get("/api/trajectories")
     def trajectories() -> dict:
-        return {"counts": store.counts(), "trajectories": [_view(t) for t in reversed(store.trajectories())]}
+        trajs = store.trajectories()
+        return {"counts": count(trajs), "trajectories": [_view(t) for t in reversed(trajs)]}
 
     return app
 

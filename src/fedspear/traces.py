@@ -293,9 +293,7 @@ class TraceStore:
 
     def counts(self) -> dict[str, int]:
         """Numbers of trajectories: ``total``, ``open``, ``trainable`` (closed, judged, unused) and ``used``."""
-        trajs = self.trajectories()
-        return {"total": len(trajs), "open": sum(not t.closed for t in trajs),
-                "trainable": sum(t.trainable for t in trajs), "used": sum(t.used_in_round is not None for t in trajs)}
+        return count(self.trajectories())
 
     def _get(self, conn: sqlite3.Connection, trajectory_id: int) -> Trajectory:
         if isinstance(trajectory_id, bool) or not isinstance(trajectory_id, int):
@@ -325,6 +323,13 @@ class TraceStore:
             traj.attempts.append(Attempt(text, token_ids, bool(eos), float(answered),
                                          None if verdict is None else bool(verdict), hint, judged))
         return traj
+
+
+def count(trajectories: Sequence[Trajectory]) -> dict[str, int]:
+    """``TraceStore.counts`` of trajectories already read (no second pass over the file)."""
+    return {"total": len(trajectories), "open": sum(not t.closed for t in trajectories),
+            "trainable": sum(t.trainable for t in trajectories),
+            "used": sum(t.used_in_round is not None for t in trajectories)}
 
 
 def _expect(ok: object, where: str, column: str, value: object) -> None:

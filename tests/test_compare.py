@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import datetime
 import json
 import math
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -93,6 +95,17 @@ def test_compare_two_cells_end_to_end_and_resume(tmp_path):
     again = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
     assert again.returncode == 0, again.stderr[-3000:]
     assert again.stderr.count("already finished, skipped") == 2 and "running" not in again.stderr
+
+    # --summary-only rewrites the summary naming the command that ran the cells and when the last cell ended
+    assert f"Command: `fedspear compare --preset tiny --output-dir {out}`" in text
+    run_line = next(line for line in text.splitlines() if line.startswith("Run: "))
+    for metrics in (out / "cells").glob("*/metrics.jsonl"):
+        os.utime(metrics, (0, datetime.datetime(2031, 1, 2, 3, 4).timestamp()))
+    summary = subprocess.run(cmd + ["--summary-only"], capture_output=True, text=True, timeout=300)
+    assert summary.returncode == 0, summary.stderr[-3000:]
+    text = (out / "comparison.md").read_text()
+    assert f"Command: `fedspear compare --preset tiny --output-dir {out}`" in text
+    assert f"{run_line.split(' → ')[0]} → 2031-01-02 03:04" in text
 
     other = subprocess.run(cmd + ["--seeds", "5"], capture_output=True, text=True, timeout=600)
     assert other.returncode == 2 and "holds another grid" in other.stderr

@@ -86,6 +86,34 @@ def test_wire_format_round_trips_without_pickle():
         unpack(pickled)
 
 
+def test_a_key_being_written_is_never_read_half_written(tmp_path, monkeypatch):
+    # CI once failed here: a ClientApp read the worker's key between its creation and its write (empty → "too
+    # short"). While the key text is being produced, a reader must still find no key, never a partial one.
+    from fedspear.fl import node_worker
+
+    path, seen = tmp_path / "node-0" / "worker.key", []
+    token_hex = node_worker.secrets.token_hex
+
+    def token_hex_while_reading(n):
+        try:
+            node_worker.load_key(path)
+            seen.append("read a key before it was written")
+        except FileNotFoundError:
+            seen.append("no key yet")
+        return token_hex(n)
+
+    monkeypatch.setattr(node_worker.secrets, "token_hex", token_hex_while_reading)
+    key = node_worker.load_key(path, create=True)
+    assert seen and set(seen) == {"no key yet"}
+    assert len(key) == 64 and stat.S_IMODE(path.stat().st_mode) == 0o600
+    assert [p.name for p in path.parent.iterdir()] == ["worker.key"]  # no temporary file left behind
+    # an existing key is kept, never replaced
+    assert node_worker.load_key(path, create=True) == key
+    path.write_text("abc\n")
+    with pytest.raises(ValueError, match="too short"):
+        node_worker.load_key(path)
+
+
 def test_node_settings_are_checked():
     from fedspear.fl.node_worker import NodeSettings
 

@@ -254,6 +254,7 @@ def compare(
         output.mkdir(parents=True, exist_ok=True)
         if not started_file.exists():
             started_file.write_text(datetime.datetime.now().strftime("%Y-%m-%d %H:%M") + "\n")
+            (output / "command.txt").write_text(command + "\n")
         try:
             run_grid(grid, output, on_event=on_event, verbose=verbose)
         except ConfigError as err:
@@ -263,7 +264,13 @@ def compare(
             summarise(grid, output, command)
             raise typer.Exit(code=1)
     started = started_file.read_text().strip() if started_file.exists() else ""
-    finished = datetime.datetime.now().strftime("%Y-%m-%d %H:%M")
+    if summary_only and (output / "command.txt").exists():  # name the command that ran the cells
+        command = (output / "command.txt").read_text().strip()
+    finished = datetime.datetime.now()
+    if summary_only:  # the run ended when its last cell wrote its last round, not now
+        ends = [m.stat().st_mtime for m in (output / "cells").glob("*/metrics.jsonl")]
+        finished = datetime.datetime.fromtimestamp(max(ends)) if ends else None
+    finished = finished.strftime("%Y-%m-%d %H:%M") if finished else "not run"
     path = summarise(grid, output, command, started=f"{started} → {finished}" if started else finished)
     print(f"comparison: {path}")
 

@@ -449,6 +449,7 @@ def plot_comparison(grid: Grid, rows: list[dict], folder: Path) -> list[Path]:
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    from matplotlib.ticker import MaxNLocator
 
     if not rows:
         return []
@@ -474,6 +475,7 @@ def plot_comparison(grid: Grid, rows: list[dict], folder: Path) -> list[Path]:
             ax.set_title(task)
             ax.set_xlabel(xlabel)
             ax.set_ylabel(ylabel)
+            ax.xaxis.set_major_locator(MaxNLocator(integer=True))  # rounds are whole numbers
             ax.grid(alpha=0.3)
         axes[0][0].legend(fontsize=8)
         fig.suptitle(title)
@@ -493,10 +495,15 @@ def plot_comparison(grid: Grid, rows: list[dict], folder: Path) -> list[Path]:
             if not rs:
                 return
             xs = [c[0] for c in rs[0]["curve"]]
-            ys = mean_series([[100 * (c[idx] or 0) for c in r["curve"]] for r in rs])
-            ax.plot(xs[: len(ys)], ys, marker="o", label=label(g))
+            series = [[100 * (c[idx] or 0) for c in r["curve"]] for r in rs]
+            ys = mean_series(series)
+            line, = ax.plot(xs[: len(ys)], ys, marker="o", label=label(g))
+            if len(rs) > 1:  # ± std over seeds
+                sd = [mean_std([s[i] for s in series])[1] for i in range(len(ys))]
+                ax.fill_between(xs[: len(ys)], [y - d for y, d in zip(ys, sd)], [y + d for y, d in zip(ys, sd)],
+                                color=line.get_color(), alpha=0.12, linewidth=0)
 
-        panel_figure(f"accuracy_{key}", f"Held-out accuracy ({label_text}), mean over seeds", "accuracy (%)",
+        panel_figure(f"accuracy_{key}", f"Held-out accuracy ({label_text}), mean ± std over seeds", "accuracy (%)",
                      "round", draw_acc)
 
     def draw_wall(ax, task, g):

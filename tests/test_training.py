@@ -149,3 +149,46 @@ def test_loglik_from_generation_equals_a_separate_forward(tiny, arc_items):
     ev = evaluate(model, tok, arc_items, arc_challenge, generation=True)
     only_ll = evaluate(model, tok, arc_items, arc_challenge, generation=False)
     assert ev["acc_ll"] == only_ll["acc_ll"] and "acc_gen" in ev and "acc_gen" not in only_ll
+
+
+def test_generation_on_a_subset_log_likelihood_on_all(tiny, arc_items):
+    """eval_gen_size: generation answers the first k items only, log-likelihood still scores every item."""
+    from fedspear.evaluation import evaluate
+
+    model, tok = tiny
+    k = len(arc_items) // 2
+    whole = evaluate(model, tok, arc_items, arc_challenge, generation=True, max_new_tokens=3)
+    part = evaluate(model, tok, arc_items, arc_challenge, generation=True, max_new_tokens=3, generation_size=k)
+    head = evaluate(model, tok, arc_items[:k], arc_challenge, generation=True, max_new_tokens=3)
+    assert part["n"] == len(arc_items) and part["n_gen"] == k and "n_gen" not in whole
+    assert part["acc_ll"] == whole["acc_ll"]  # every item scored, half from the generation prefill
+    assert part["acc_gen"] == head["acc_gen"] and part["parsed_gen"] == head["parsed_gen"]
+    assert {key: v for key, v in part.items() if key.startswith("pred_")} == {
+        key: v for key, v in head.items() if key.startswith("pred_")}
+
+
+def test_length_sorted_loglik_batches_keep_the_item_order(tiny):
+    """Batches are formed by prompt length; each prediction still belongs to its own item. A stand-in model
+    prefers the label given by the prompt's real length (mod 4), so any mix-up of rows changes the answers."""
+    from types import SimpleNamespace
+
+    from fedspear.evaluation import label_token_ids, loglik_predictions
+    from fedspear.tasks import arc_challenge as arc
+
+    _, tok = tiny
+    label_ids = label_token_ids(tok, ["A", "B", "C", "D"])
+
+    class LengthModel(torch.nn.Module):
+        def forward(self, input_ids, attention_mask, **kwargs):
+            logits = torch.zeros(input_ids.shape[0], 1, len(tok))
+            for row, n in enumerate(attention_mask.sum(1).tolist()):
+                logits[row, 0, label_ids[n % 4]] = 1.0
+            return SimpleNamespace(logits=logits)
+
+    items = [ex for ex in arc.load("train") if tuple(ex.labels) == ("A", "B", "C", "D")][:24]
+    lengths = [len(render(tok, [arc.prompt(ex)])) for ex in items]
+    assert lengths != sorted(lengths)  # the sort really reorders
+    expected = ["ABCD"[n % 4] for n in lengths]
+    assert len(set(expected)) > 1
+    for batch_size in (1, 5, 32):
+        assert loglik_predictions(LengthModel(), tok, items, arc, batch_size=batch_size) == expected

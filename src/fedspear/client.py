@@ -21,7 +21,7 @@ import numpy as np
 from .config import RunConfig
 from .feedback import FeedbackSource, make_feedback
 from .algorithms import get_algorithm
-from .model import LoraSettings, add_lora, get_adapter, load_base, set_adapter
+from .model import LoraSettings, add_lora, get_adapter, load_base, set_adapter, use_gradient_checkpointing
 from .tasks import get_task
 from .tasks.base import Example
 
@@ -86,13 +86,14 @@ class Worker:
         cfg = cfg.resolved()
         base, tokenizer, dtype_used = load_base(cfg.model, cfg.dtype)
         lora = LoraSettings(cfg.lora_r, cfg.lora_alpha, cfg.lora_dropout, cfg.last_layers)
+        use_gradient_checkpointing(base, cfg.gradient_checkpointing)
         model = add_lora(base, lora, seed=cfg.seed)
         return cls(cfg, model, tokenizer, dtype_used, load_train_examples(cfg))
 
     def compatible(self, cfg: RunConfig) -> bool:
         """Whether this worker's model can serve ``cfg`` (same model, dtype, LoRA shape, task and data)."""
-        keys = ("model", "dtype", "lora_r", "lora_alpha", "lora_dropout", "last_layers", "task", "data_dir",
-                "data_source", "train_size", "seed")
+        keys = ("model", "dtype", "lora_r", "lora_alpha", "lora_dropout", "last_layers", "gradient_checkpointing",
+                "task", "data_dir", "data_source", "train_size", "seed")
         return all(getattr(self.cfg, k) == getattr(cfg, k) for k in keys)
 
     @property

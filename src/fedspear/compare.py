@@ -301,6 +301,7 @@ def cell_summary(cell: Cell) -> dict[str, Any] | None:
         "acc0": {k: first.get(k) for k in ("acc_gen", "acc_ll")},
         "acc": {k: last["eval"].get(k) for k in ("acc_gen", "acc_ll")},
         "n": last["eval"]["n"],
+        "n_gen": last["eval"].get("n_gen", last["eval"]["n"]),
         "curve": [(r["round"], r["eval"].get("acc_gen"), r["eval"].get("acc_ll")) for r in records if r.get("eval")],
         "seconds_per_round": sum(train_seconds) / len(train_seconds),
         "cumulative_seconds": list(itertools.accumulate(train_seconds)),
@@ -424,9 +425,9 @@ def summarise(grid: Grid, output: Path, command: str = "", started: str = "") ->
                 cost.append({"task": task, "variant": variant, "algorithm": algorithm, "seconds_per_round": spr,
                              "wall_clock": wall, "generations": gens, "tokens_generated": toks, "phases": ph})
     table["cost"] = cost
-    n_eval = sorted({r["n"] for r in rows})
-    lines += ["", f"Evaluation items per cell: {', '.join(map(str, n_eval))}. Cells finished: {len(rows)} of "
-              f"{len(cells)}.", ""]
+    n_eval = sorted({(r["n"], r.get("n_gen", r["n"])) for r in rows})
+    shown = ", ".join(str(n) if g == n else f"{n} (generation on {g} of them)" for n, g in n_eval)
+    lines += ["", f"Evaluation items per cell: {shown}. Cells finished: {len(rows)} of {len(cells)}.", ""]
     plots = plot_comparison(grid, rows, output / "plots")
     if plots:
         lines += ["## Plots", ""] + [f"![{p.stem}](plots/{p.name})" for p in plots] + [""]

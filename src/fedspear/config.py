@@ -73,6 +73,7 @@ class RunConfig:
     lora_alpha: int = field(default=32, metadata=_meta("LoRA α (paper 32)", min=1))
     lora_dropout: float = field(default=0.1, metadata=_meta("LoRA dropout (paper 0.1)", min=0, lt=1))
     last_layers: int = field(default=0, metadata=_meta("adapt only the last H layers (0 = all)", min=0))
+    gradient_checkpointing: str = field(default="auto", metadata=_meta("recompute activations in the backward pass to save memory (auto: on for models over 1B parameters)", choices=["auto", "on", "off"]))
     # baselines (SPEC §5; defaults from the paper's appendix baseline tables, see fedspear.algorithms)
     group_size: int | None = field(default=None, metadata=_meta("GRPO / RLTF-SD samples per prompt (None: the paper's table, 2 Math/StrategyQA, 4 ARC/HellaSwag)", min=1, max=64))
     kl_beta: float | None = field(default=None, metadata=_meta("GRPO / RLTF-SD k3 KL weight β (None: the paper's table, 0.02; 0.1 StrategyQA)", min=0))
@@ -94,6 +95,7 @@ class RunConfig:
     # evaluation (SPEC §6)
     eval_every: int = field(default=2, metadata=_meta("evaluate every k rounds (and at round 0 and the last)", min=1))
     eval_size: int = field(default=100, metadata=_meta("held-out items evaluated (0 = the whole split; CPU default 100)", min=0))
+    eval_gen_size: int = field(default=0, metadata=_meta("items of the evaluated set also answered by generation (0 = all); log-likelihood scores all", min=0))
     round0_from: str | None = field(default=None, metadata=_meta("run directory whose round-0 evaluation is reused when model, task, data and evaluation settings match and both start adapters are the identity (LoRA B = 0); `fedspear compare` sets it"))
     eval_generation: bool = field(default=True, metadata=_meta("also measure greedy-generation accuracy"))
     # data and output

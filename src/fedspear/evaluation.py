@@ -43,33 +43,42 @@ def label_token_ids(tokenizer, labels: Sequence[str]) -> list[int]:
 @torch.no_grad()
 def loglik_predictions(model, tokenizer, examples: Sequence[Example], task, *, dtype_used="fp32",
                        batch_size: int = 16) -> list[str]:
-    """The label with the highest next-token log-probability after each prompt (one forward per item)."""
+    """The label with the highest next-token log-probability after each prompt (one forward per item).
+
+    Items are batched in order of prompt length so a batch pads little (ARC prompts run 60–255 tokens for Qwen2.5);
+    the predictions come back in the order of ``examples``.
+    """
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
-    predictions = []
+    contexts = [render(tokenizer, [task.prompt(ex)]) for ex in examples]
+    order = sorted(range(len(examples)), key=lambda i: len(contexts[i]))
+    predictions: list[str | None] = [None] * len(examples)
     model.eval()
-    for start in range(0, len(examples), batch_size):
-        chunk = examples[start : start + batch_size]
-        contexts = [render(tokenizer, [task.prompt(ex)]) for ex in chunk]
-        width = max(len(c) for c in contexts)
-        ids = torch.full((len(chunk), width), pad, dtype=torch.long)  # [B, L]
+    for start in range(0, len(order), batch_size):
+        rows = order[start : start + batch_size]
+        width = max(len(contexts[r]) for r in rows)
+        ids = torch.full((len(rows), width), pad, dtype=torch.long)  # [B, L]
         mask = torch.zeros_like(ids)  # [B, L]
-        for i, c in enumerate(contexts):
-            ids[i, width - len(c) :] = torch.tensor(c)
-            mask[i, width - len(c) :] = 1
+        for i, r in enumerate(rows):
+            ids[i, width - len(contexts[r]) :] = torch.tensor(contexts[r])
+            mask[i, width - len(contexts[r]) :] = 1
         positions = (mask.cumsum(1) - 1).clamp(min=0)  # [B, L]
         with autocast(dtype_used):
             logits = model(input_ids=ids, attention_mask=mask, position_ids=positions, logits_to_keep=1,
                            use_cache=False).logits[:, -1, :].float()  # [B, V]
-        for i, ex in enumerate(chunk):
-            candidates = torch.tensor(label_token_ids(tokenizer, ex.labels))
-            predictions.append(ex.labels[int(logits[i, candidates].argmax())])
+        for i, r in enumerate(rows):
+            candidates = torch.tensor(label_token_ids(tokenizer, examples[r].labels))
+            predictions[r] = examples[r].labels[int(logits[i, candidates].argmax())]
     return predictions
 
 
 def evaluate(model, tokenizer, examples: Sequence[Example], task, *, dtype_used: str = "fp32",
              generation: bool = True, loglik: bool = True, batch_size: int = 32,
-             max_new_tokens: int | None = None) -> dict[str, float]:
+             max_new_tokens: int | None = None, generation_size: int = 0) -> dict[str, float]:
     """Accuracy of ``model`` on ``examples``.
+
+    ``generation_size`` > 0 generates only for the first ``generation_size`` examples (``n_gen``; callers pass a
+    fixed order) while log-likelihood still scores all of them (``n``): a whole test split scored at one forward
+    per item, with the costlier generation on a subset.
 
     ``max_new_tokens`` bounds each greedy answer (default: the task's ``MAX_NEW_TOKENS``; runs pass their own
     ``max_new_tokens`` so evaluation answers under the same budget as the clients).
@@ -83,7 +92,11 @@ def evaluate(model, tokenizer, examples: Sequence[Example], task, *, dtype_used:
     t0 = time.perf_counter()
     out: dict[str, float] = {"n": len(examples)}
     predictions = None
+    generated = list(examples[:generation_size]) if 0 < generation_size < len(examples) else list(examples)
     if generation and examples:
+        if len(generated) < len(examples):
+            out["n_gen"] = len(generated)
+        examples_all, examples = examples, generated
         contexts = [render(tokenizer, [task.prompt(ex)]) for ex in examples]
         first: list[torch.Tensor] = []
         completions = generate(model, tokenizer, contexts, max_new_tokens=max_new_tokens or task.MAX_NEW_TOKENS,
@@ -98,9 +111,12 @@ def evaluate(model, tokenizer, examples: Sequence[Example], task, *, dtype_used:
         out["parsed_gen"] = sum(a is not None for a in answers) / len(examples)
         for label in sorted({l for ex in examples for l in ex.labels}):
             out[f"pred_{label}"] = sum(a == label for a in answers)
+        examples = examples_all
     if loglik and task.MULTIPLE_CHOICE and examples:
-        if predictions is None:  # no generation pass to reuse: one forward per item
-            predictions = loglik_predictions(model, tokenizer, examples, task, dtype_used=dtype_used)
+        predictions = predictions or []  # from the generation pass, for the items it covered
+        if len(predictions) < len(examples):  # the rest: one forward per item
+            predictions += loglik_predictions(model, tokenizer, examples[len(predictions):], task,
+                                              dtype_used=dtype_used)
         correct = sum(p == ex.gold for p, ex in zip(predictions, examples))
         out["acc_ll"] = correct / len(examples)
         out["acc_ll_low"], out["acc_ll_high"] = wilson_interval(correct, len(examples))

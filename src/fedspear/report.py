@@ -132,7 +132,8 @@ def write_report(path: str | Path, records: Sequence[dict], cfg: RunConfig, dtyp
         f"rollouts per client-round {cfg.rollouts_per_round}, max revisions N = {cfg.max_revisions}",
         f"- μ = {cfg.mu}, τ = {cfg.tau}, λ_w = {cfg.lambda_w}, λ_l = {cfg.lambda_l}, lr = {cfg.lr} → "
         f"{cfg.lr_min}, {cfg.local_steps} local steps × batch {cfg.batch_size}, normalisation {cfg.normalization}",
-        f"- compute dtype: **{dtype}**; held-out items evaluated: {first['eval']['n'] if first else '–'}",
+        f"- compute dtype: **{dtype}**; held-out items evaluated: {first['eval']['n'] if first else '–'}"
+        + (f" (generation on {first['eval']['n_gen']})" if first and "n_gen" in first["eval"] else ""),
         f"- peak memory (RSS): server {peak_server:.0f} MiB, client worker {peak_client:.0f} MiB",
         f"- wall-clock: {records[-1].get('wall_clock', 0) / 60:.1f} min over {len(rounds)} rounds"
         if records else "",

@@ -48,6 +48,10 @@ class Evaluator:
         if cfg.eval_size and cfg.eval_size < len(items):
             # a fixed subset, the same for every seed and algorithm, so runs compare on identical items
             items = random.Random(1234).sample(items, cfg.eval_size)
+        if cfg.eval_gen_size and cfg.eval_gen_size < len(items):
+            # generation answers a fixed subset: put it first, in a seeded order independent of the run's seed
+            chosen = set(random.Random(4321).sample(range(len(items)), cfg.eval_gen_size))
+            items = [items[i] for i in sorted(chosen)] + [x for i, x in enumerate(items) if i not in chosen]
         self.examples = items
 
     def initial_adapter(self) -> dict[str, np.ndarray]:
@@ -59,12 +63,13 @@ class Evaluator:
     def __call__(self, arrays: dict[str, np.ndarray]) -> dict[str, float]:
         set_adapter(self.model, arrays)
         return evaluate(self.model, self.tokenizer, self.examples, self.task, dtype_used=self.dtype_used,
-                        generation=self.cfg.eval_generation, max_new_tokens=self.cfg.max_new_tokens)
+                        generation=self.cfg.eval_generation, max_new_tokens=self.cfg.max_new_tokens,
+                        generation_size=self.cfg.eval_gen_size)
 
 
 # settings that decide the round-0 evaluation (the base model's answers on the fixed held-out subset)
 ROUND0_KEYS = ("model", "dtype", "task", "data_dir", "data_source", "skip_bad_records", "eval_size",
-               "eval_generation", "max_new_tokens", "lora_r", "lora_alpha", "last_layers")
+               "eval_gen_size", "eval_generation", "max_new_tokens", "lora_r", "lora_alpha", "last_layers")
 
 
 def _is_identity(arrays: dict[str, np.ndarray]) -> bool:

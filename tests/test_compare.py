@@ -25,8 +25,9 @@ def test_grid_cells_share_everything_but_their_axes(tmp_path):
     assert len(names) == len(cells) and "arc_challenge-grpo-mu=0.3-centralized=True-s1" in names
     central = next(c for c in cells if c.axes["centralized"])
     assert (central.config.num_clients, central.config.clients_per_round) == (1, 1)
-    a, b = cells[0].config.to_dict(), cells[1].config.to_dict()
+    a, b = cells[0].config.to_dict(), cells[2].config.to_dict()
     assert {k for k in a if a[k] != b[k]} == {"seed", "output_dir"}
+    assert [(c.algorithm, c.seed) for c in cells[:4]] == [("spear", 0), ("grpo", 0), ("spear", 1), ("grpo", 1)]
 
 
 @pytest.mark.parametrize("kwargs, message", [
@@ -60,6 +61,19 @@ def test_presets_are_valid_and_cpu_small_has_the_issue_shape():
     assert grid.tasks == ["arc_challenge", "strategy_qa"]
     assert grid.algorithms == ["spear", "feedback_sft", "grpo", "opsd", "rltf_sd"] and grid.seeds == [0, 1, 2]
     assert len(grid.cells(Path("x"))) == 30
+
+
+def test_cpu_qwen_preset_has_the_issue_shape():
+    """Issue 7: ARC, all five algorithms, 2 seeds; log-likelihood on the whole test split at round 0 and the end,
+    generation on a fixed subset; the 1.5B model with gradient checkpointing."""
+    grid = PRESETS["cpu-qwen1.5b"]
+    cells = grid.cells(Path("x"))
+    assert grid.tasks == ["arc_challenge"] and len(cells) == 10 and grid.seeds == [0, 1]
+    assert {c.algorithm for c in cells} == {"spear", "feedback_sft", "grpo", "opsd", "rltf_sd"}
+    cfg = cells[0].config
+    assert cfg.model == "qwen2.5-coder-1.5b" and cfg.eval_size == 0 and 0 < cfg.eval_gen_size <= 200
+    assert cfg.eval_every == cfg.rounds  # evaluated at round 0 and after the last round only
+    assert cfg.gradient_checkpointing == "auto"
 
 
 def test_mean_std_and_paired_interval_by_hand():

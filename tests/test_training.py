@@ -178,12 +178,31 @@ def test_length_sorted_loglik_batches_keep_the_item_order(tiny):
     _, tok = tiny
     label_ids = label_token_ids(tok, ["A", "B", "C", "D"])
 
+    class Cache:  # stands in for the prefix's KV cache
+        def batch_repeat_interleave(self, n):
+            pass
+
+    class Decoder(torch.nn.Module):  # hidden state at each position: one-hot of how many real tokens it has seen
+        def forward(self, input_ids, attention_mask=None, past_key_values=None, use_cache=False, **kwargs):
+            if attention_mask is None:
+                attention_mask = torch.ones_like(input_ids)
+            seen = attention_mask.cumsum(1)[:, -input_ids.shape[1]:]  # [B, S]
+            hidden = torch.nn.functional.one_hot(seen % 4, 4).float()  # [B, S, 4]
+            return SimpleNamespace(last_hidden_state=hidden, past_key_values=Cache() if use_cache else None)
+
     class LengthModel(torch.nn.Module):
-        def forward(self, input_ids, attention_mask, **kwargs):
-            logits = torch.zeros(input_ids.shape[0], 1, len(tok))
-            for row, n in enumerate(attention_mask.sum(1).tolist()):
-                logits[row, 0, label_ids[n % 4]] = 1.0
-            return SimpleNamespace(logits=logits)
+        def __init__(self):
+            super().__init__()
+            self.decoder, self.head = Decoder(), torch.nn.Linear(4, len(tok), bias=False)
+            self.head.weight.data.zero_()
+            for k, label in enumerate(label_ids):
+                self.head.weight.data[label, k] = 1.0
+
+        def get_decoder(self):
+            return self.decoder
+
+        def get_output_embeddings(self):
+            return self.head
 
     items = [ex for ex in arc.load("train") if tuple(ex.labels) == ("A", "B", "C", "D")][:24]
     lengths = [len(render(tok, [arc.prompt(ex)])) for ex in items]
@@ -191,4 +210,39 @@ def test_length_sorted_loglik_batches_keep_the_item_order(tiny):
     expected = ["ABCD"[n % 4] for n in lengths]
     assert len(set(expected)) > 1
     for batch_size in (1, 5, 32):
-        assert loglik_predictions(LengthModel(), tok, items, arc, batch_size=batch_size) == expected
+        for reuse in (True, False):
+            assert loglik_predictions(LengthModel(), tok, items, arc, batch_size=batch_size,
+                                      reuse_prefix=reuse) == expected
+
+
+def test_shared_prefix_length():
+    from fedspear.evaluation import shared_prefix_length
+
+    assert shared_prefix_length([[1, 2, 3, 4], [1, 2, 5], [1, 2, 3]]) == 2
+    assert shared_prefix_length([[1, 2, 3], [1, 2, 3]]) == 2  # each context keeps one token of its own
+    assert shared_prefix_length([[7], [7, 8]]) == 0
+    assert shared_prefix_length([[1, 2], [3, 2]]) == 0
+    assert shared_prefix_length([]) == 0
+
+
+def test_prefix_cache_logits_equal_a_plain_forward_per_item(tiny, arc_items):
+    """Reusing the shared prompt prefix's KV cache (right-padded tails) gives each item's plain next-token logits."""
+    from fedspear.evaluation import next_token_logits, shared_prefix_length
+
+    import copy
+
+    model, tok = tiny
+    model = copy.deepcopy(model)  # a non-identity adapter, so the LoRA path counts too
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "lora_B" in name:
+                p.copy_(torch.randn_like(p) * 0.5)
+    contexts = [render(tok, [arc_challenge.prompt(ex)]) for ex in arc_items]
+    assert shared_prefix_length(contexts) > 10  # the chat template and instruction are shared
+    assert len({len(c) for c in contexts}) > 1  # and the tails need padding
+    with torch.no_grad():
+        ref = torch.stack([model(input_ids=torch.tensor([c])).logits[0, -1].float() for c in contexts])
+    for reuse in (True, False):
+        for batch_size in (1, 3):
+            got = next_token_logits(model, tok, contexts, batch_size=batch_size, reuse_prefix=reuse)
+            torch.testing.assert_close(got, ref, atol=1e-4, rtol=1e-4)

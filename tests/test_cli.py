@@ -80,4 +80,30 @@ def test_bench_quick_prints_every_figure(tmp_path):
     assert set(r["seconds"]) >= {"generate_initial", "generate_revisions", "train", "aggregate", "evaluate",
                                  "flower_overhead", "round"}
     assert r["seconds_per_client_round"] > 0 and r["counters"]["prompts"] == 2
+    assert r["rounds"] == 3 and len(r["seconds_per_client_round_each"]) == 3
+    assert r["seconds_per_client_round"] == sorted(r["seconds_per_client_round_each"])[1]  # the median of 3
     assert "| prefill |" in out.with_suffix(".md").read_text()
+
+
+def test_bench_scaling_quick_measures_every_axis(tmp_path):
+    """`fedspear bench --scaling --quick`: every axis at every size, phases in seconds, a plot; no revision is
+    attempted at max_revisions = 0 and some are at 1 (the tiny random model is never right)."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    out = tmp_path / "scaling.json"
+    cmd = [str(Path(sys.executable).with_name("fedspear")), "bench", "--scaling", "--model", "tiny-random",
+           "--quick", "--output", str(out)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    result = json.loads(out.read_text())
+    from fedspear.bench import QUICK_SCALING_AXES
+
+    assert {k: [r["value"] for r in rows] for k, rows in result["axes"].items()} == QUICK_SCALING_AXES
+    for axis, rows in result["axes"].items():
+        for row in rows:
+            assert all(v >= 0 for v in row["seconds"].values()) and max(row["seconds"].values()) > 0, (axis, row)
+    revisions = {r["value"]: r["counters"]["revisions_attempted"] for r in result["axes"]["max_revisions"]}
+    assert revisions[0] == 0 and revisions[1] > 0
+    assert out.with_suffix(".png").stat().st_size > 0 and "**max_new_tokens**" in out.with_suffix(".md").read_text()

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from fedspear.compare import PRESETS, Grid, load_grid, mean_std, paired_ci
+from fedspear.compare import PRESETS, Grid, item_mean_ci, load_grid, mean_std, paired_ci, paired_gain
 from fedspear.config import ConfigError
 
 
@@ -84,6 +84,18 @@ def test_mean_std_and_paired_interval_by_hand():
     assert m == 0.1 and math.isnan(lo) and math.isnan(hi)
 
 
+def test_item_paired_gain_and_accuracy_interval_by_hand():
+    """Round 0 "1100", two seeds "1110" and "1010": per-item gains (0, −½, 1, 0) → mean 0.125, sd 0.629153,
+    half-width 1.959964 · sd / 2; per-item final scores (1, ½, 1, 0) → 0.625, sd 0.478714."""
+    assert paired_gain("1100", ["1110", "1010"]) == pytest.approx((0.125, 0.125 - 0.616558, 0.125 + 0.616558),
+                                                                   abs=1e-6)
+    assert item_mean_ci(["1110", "1010"]) == pytest.approx((0.625, 0.625 - 0.469131, 0.625 + 0.469131), abs=1e-6)
+    assert paired_gain("0101", ["0101"]) == (0.0, 0.0, 0.0)  # the same answers: no gain, no spread
+    for before, after in (("110", ["1110"]), ("1100", []), ("11x0", ["1100"]), ("", [""])):
+        with pytest.raises(ValueError, match="same items"):
+            paired_gain(before, after)
+
+
 @pytest.mark.slow
 def test_compare_two_cells_end_to_end_and_resume(tmp_path):
     """The tiny preset (SPEAR and GRPO, 1 round each) through the CLI: comparison.md, comparison.json and the plots;
@@ -94,6 +106,7 @@ def test_compare_two_cells_end_to_end_and_resume(tmp_path):
     assert first.returncode == 0, first.stderr[-3000:]
     text = (out / "comparison.md").read_text()
     assert "| SPEAR |" in text and "| GRPO |" in text and "SPEAR minus each baseline" in text
+    assert "## Gain over round 0" in text and "| acc_ll | arc_challenge | – | GRPO |" in text
     for name in ("accuracy_acc_gen", "accuracy_acc_ll", "wall_clock", "revisions_successful", "needing_revision"):
         assert (out / "plots" / f"{name}.png").stat().st_size > 1000
     data = json.loads((out / "comparison.json").read_text())

@@ -1,4 +1,4 @@
-"""``fedspear bench``: what this machine can do, what fedspear does with it, and one full SPEAR round.
+"""``fedspear bench``: what this machine can do, what fedspear does with it, and full SPEAR rounds.
 
 Three parts, each printed next to its bound as a utilisation ratio:
 
@@ -6,12 +6,15 @@ Three parts, each printed next to its bound as a utilisation ratio:
    torch) and memory bandwidth (a large tensor copy: bytes read + bytes written per second).
 2. **Throughputs** on the model: prefill tokens/s (one forward over a batch of prompts), decode tokens/s at batch
    1 / 8 / 32 (greedy, fixed length, KV cache), LoRA training tokens/s (forward + backward), central-evaluation
-   items/s. Utilisation: prefill FLOP/s ÷ bound with 2 × params FLOPs per token; training with ≈ 4 × params per
-   token (forward 2, activation gradients 2; frozen weights need no weight gradients); decode: tokens/s ÷ (batch ×
-   bandwidth ÷ weight bytes), i.e. how close each decode step is to streaming the weights once.
-3. **One SPEAR round** through Flower's simulation engine on the issue's reference configuration (ARC-Challenge,
-   10 clients, 3 per round, 16 rollouts per client-round, up to 2 revisions, 16 new tokens, 2 local steps of batch 4,
-   LoRA r16 on all layers), with seconds per phase and peak memory, read back from the run's ``metrics.jsonl``.
+   items/s. Utilisation: achieved FLOP/s ÷ the matmul bound, counting the FLOPs the work needs (``prefill_flops``:
+   2 per weight per token, the LM head only where logits are kept, causal attention; training ≈ 2 × that, as
+   frozen weights need activation gradients but no weight gradients — the issue's "≈ 4 × trainable-path
+   parameters × tokens"); decode: tokens/s ÷ (batch × bandwidth ÷ bytes of the weights a step multiplies with),
+   i.e. how close each decode step is to streaming the weights once.
+3. **Three SPEAR rounds** through Flower's simulation engine on the issue's reference configuration
+   (ARC-Challenge, 10 clients, 3 per round, 16 rollouts per client-round, up to 2 revisions, 16 new tokens, 2 local
+   steps of batch 4, LoRA r16 on all layers), with seconds per phase and peak memory, read back from the run's
+   ``metrics.jsonl``; the round with the median seconds per client-round is reported.
 
 Figures are measurements of this machine at this moment: run it on an otherwise idle machine.
 """
@@ -26,6 +29,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 
 from .config import RunConfig
@@ -59,12 +63,40 @@ def memory_bandwidth(megabytes: int = 256, seconds: float = 1.0) -> float:
     return 2 * n * 4 / per_call
 
 
-def _params(model) -> int:
-    """Parameters on the compute path of one token (embedding lookup excluded; the LM head counted)."""
-    total = sum(p.numel() for p in model.parameters())
-    emb = model.get_input_embeddings().weight.numel()
-    tied = model.get_output_embeddings().weight is model.get_input_embeddings().weight
-    return total - emb + (emb if tied else 0)
+def flop_counts(model) -> dict[str, int]:
+    """Parameter counts that set the FLOPs of one token (embedding lookups cost none).
+
+    Returns ``{"body": …, "head": …, "lora": …, "layers": …, "width": …}``: ``body`` = every frozen parameter but the
+    input and output embeddings (the transformer blocks), ``head`` = the LM head's weights (run only where logits are
+    kept), ``lora`` = the adapters' trainable parameters, ``layers`` / ``width`` for the attention term.
+    """
+    inp = model.get_input_embeddings().weight
+    out = model.get_output_embeddings().weight
+    lora = sum(p.numel() for n, p in model.named_parameters() if "lora_" in n)
+    seen, total = set(), 0
+    for p in model.parameters():
+        if id(p) not in seen:
+            seen.add(id(p))
+            total += p.numel()
+    head = out.numel()
+    body = total - lora - inp.numel() - (head if out is not inp else 0)
+    config = model.config
+    return {"body": body, "head": head, "lora": lora, "layers": config.num_hidden_layers, "width": config.hidden_size}
+
+
+def prefill_flops(counts: dict[str, int], batch: int, length: int, kept: int = 1) -> float:
+    """FLOPs of one forward over ``batch × length`` tokens with logits kept for the last ``kept`` positions:
+    2 per weight per token (body and LoRA), 2 per head weight per kept position, and causal attention
+    (QKᵀ and PV: 2 · 2 · width per attended position, on average ``length / 2`` of them, per layer)."""
+    tokens = batch * length
+    attention = 2 * counts["layers"] * counts["width"] * length * tokens  # 4 · width · length/2 per token per layer
+    return 2 * (counts["body"] + counts["lora"]) * tokens + 2 * counts["head"] * batch * kept + attention
+
+
+def train_flops(counts: dict[str, int], batch: int, length: int, kept: int) -> float:
+    """FLOPs of forward + backward: the forward of :func:`prefill_flops`, its activation gradients (as much again),
+    and weight gradients for the LoRA parameters only (2 per trainable weight per token); frozen weights get none."""
+    return 2 * prefill_flops(counts, batch, length, kept) + 2 * counts["lora"] * batch * length
 
 
 @torch.no_grad()
@@ -99,14 +131,15 @@ def decode_tokens_per_s(model, tokenizer, dtype_used: str, batch: int, prompt: i
     return batch * (new - 1) / max(1e-9, total - prefill)
 
 
-def train_tokens_per_s(model, dtype_used: str, batch: int, length: int, seconds: float) -> float:
-    """Forward + backward over ``batch × length`` tokens (LoRA parameters only get gradients)."""
+def train_tokens_per_s(model, dtype_used: str, batch: int, length: int, seconds: float, kept: int = 16) -> float:
+    """Forward + backward over ``batch × length`` tokens with logits for the last ``kept`` positions (the completion
+    window of a SPEAR batch); LoRA parameters only get gradients. Dropout as configured (training mode)."""
     ids = torch.randint(100, 1000, (batch, length))
     model.train()
 
     def step():
         with autocast(dtype_used):
-            logits = model(input_ids=ids, use_cache=False, logits_to_keep=16).logits
+            logits = model(input_ids=ids, use_cache=False, logits_to_keep=kept).logits
         logits.float().logsumexp(-1).mean().backward()
         model.zero_grad(set_to_none=True)
     per_call, _ = _timed(step, seconds)
@@ -140,13 +173,20 @@ def run_bench(model: str = "smollm2-135m", dtype: str = "auto", quick: bool = Fa
     base, tokenizer, dtype_used = load_base(model, dtype)
     peft = add_lora(base, LoraSettings())
     out["dtype"] = dtype_used
-    params = _params(base)
-    weight_bytes = sum(p.numel() * (2 if dtype_used == "bf16" else 4) for p in base.parameters())
+    counts = flop_counts(peft)
+    # bytes a decode step must read: every weight it multiplies with (body, LM head, adapters), as stored
+    lookup_only = peft.get_input_embeddings().weight  # read a row per token, unless it doubles as the LM head
+    if lookup_only is peft.get_output_embeddings().weight:
+        lookup_only = None
+    weight_bytes = sum(p.numel() * p.element_size() for p in peft.parameters() if p is not lookup_only)
     peak = bounds["matmul_flops_bf16" if dtype_used == "bf16" else "matmul_flops_fp32"]
-    out["model_params_compute_path"] = params
-    length = 32 if quick else 220
-    prefill = prefill_tokens_per_s(peft, dtype_used, 2 if quick else 8, length, s)
-    train = train_tokens_per_s(peft, dtype_used, 2 if quick else 8, length, s)
+    out["flop_counts"] = counts
+    out["weight_bytes_per_decode_step"] = weight_bytes
+    batch, length, kept = (2 if quick else 8), (32 if quick else 220), 16
+    prefill = prefill_tokens_per_s(peft, dtype_used, batch, length, s)
+    train = train_tokens_per_s(peft, dtype_used, batch, length, s, kept)
+    prefill_flop_s = prefill * prefill_flops(counts, batch, length) / (batch * length)
+    train_flop_s = train * train_flops(counts, batch, length, kept) / (batch * length)
     decode = {}
     for b in (1, 8, 32):
         tps = decode_tokens_per_s(peft, tokenizer, dtype_used, b, 16 if quick else 200, 4 if quick else 32)
@@ -157,9 +197,10 @@ def run_bench(model: str = "smollm2-135m", dtype: str = "auto", quick: bool = Fa
     evaluate(peft, tokenizer, items, arc_challenge, dtype_used=dtype_used)
     eval_items = len(items) / (time.perf_counter() - t0)
     out["throughput"] = {
-        "prefill": {"tokens_per_s": prefill, "flops": prefill * 2 * params,
-                    "utilisation": prefill * 2 * params / peak},
-        "train": {"tokens_per_s": train, "flops": train * 4 * params, "utilisation": train * 4 * params / peak},
+        "prefill": {"tokens_per_s": prefill, "flops": prefill_flop_s, "utilisation": prefill_flop_s / peak,
+                    "batch": batch, "length": length},
+        "train": {"tokens_per_s": train, "flops": train_flop_s, "utilisation": train_flop_s / peak,
+                  "batch": batch, "length": length, "logits_kept": kept},
         "decode": decode,
         "evaluate": {"items_per_s": eval_items},
     }
@@ -169,37 +210,185 @@ def run_bench(model: str = "smollm2-135m", dtype: str = "auto", quick: bool = Fa
     return out
 
 
-def spear_round(model: str, dtype: str, quick: bool, output_dir: str | None) -> dict[str, Any]:
-    """One SPEAR round on the reference configuration through the simulation engine; seconds per phase."""
+def spear_round(model: str, dtype: str, quick: bool, output_dir: str | None, rounds: int = 3) -> dict[str, Any]:
+    """SPEAR rounds on the reference configuration through the simulation engine; seconds per phase.
+
+    Runs ``rounds`` rounds (evaluation only at round 0 and after the last, and subtracted) and reports the round with
+    the median seconds per client-round — the issue's "median of 3" — next to every round's figure. The first round
+    also pays the one-time start of the client actor and its model load (in its Flower overhead).
+    """
+    import statistics
+
     from .fl.simulation import simulate
     from .rundir import RunDir
 
     out_dir = output_dir or tempfile.mkdtemp(prefix="fedspear-bench-")
     cfg = RunConfig(
-        task="arc_challenge", model=model, dtype=dtype, rounds=1, num_clients=10 if not quick else 2,
+        task="arc_challenge", model=model, dtype=dtype, rounds=rounds, num_clients=10 if not quick else 2,
         clients_per_round=3 if not quick else 1, rollouts_per_round=16 if not quick else 2, max_revisions=2,
         max_new_tokens=16 if not quick else 4, local_steps=2, batch_size=4, eval_size=100 if not quick else 4,
-        eval_every=1, eval_generation=True, output_dir=str(Path(out_dir) / "run"),
+        eval_every=rounds, eval_generation=True, output_dir=str(Path(out_dir) / "run"),
     )
     t0 = time.perf_counter()
     simulate(cfg)
     wall = time.perf_counter() - t0
-    r1 = RunDir(cfg.output_dir).records()[1]
+    records = RunDir(cfg.output_dir).records()[1:]
+
+    def per_client_round(r: dict) -> float:
+        return (r["seconds"]["round"] - r["seconds"]["evaluate"]) / max(1, r["clients_ok"])
+
+    each = [per_client_round(r) for r in records]
+    median = statistics.median_low(each)
+    r1 = records[each.index(median)]
     sec = r1["seconds"]
     per_client = {k: sec[k] / max(1, r1["clients_ok"]) for k in ("generate_initial", "generate_revisions", "train")}
     round_wo_eval = sec["round"] - sec["evaluate"]
     return {
         "config": {k: getattr(cfg, k) for k in ("num_clients", "clients_per_round", "rollouts_per_round",
                                                 "max_revisions", "max_new_tokens", "local_steps", "batch_size")},
+        "rounds": len(records),
+        "median_round": r1["round"],
         "seconds": sec,
-        "seconds_per_client_round": round_wo_eval / max(1, r1["clients_ok"]),
+        "seconds_per_client_round": median,
+        "seconds_per_client_round_each": each,
         "seconds_per_client_phase": per_client,
         "flower_overhead_share": sec["flower_overhead"] / max(1e-9, round_wo_eval),
-        "peak_rss_mb": r1["peak_rss_mb"],
+        "flower_overhead_share_each": [r["seconds"]["flower_overhead"] / max(1e-9, r["seconds"]["round"]
+                                                                             - r["seconds"]["evaluate"])
+                                       for r in records],
+        "peak_rss_mb": records[-1]["peak_rss_mb"],
         "wall_seconds_including_startup": wall,
         "counters": {k: r1[k] for k in ("prompts", "wins", "losses", "revisions_attempted", "revisions_successful",
                                         "tokens_generated")},
     }
+
+
+SCALING_AXES = {  # the reference configuration's value is the middle one
+    "rollouts_per_round": [8, 16, 32],
+    "max_revisions": [0, 1, 2, 3],
+    "max_new_tokens": [8, 16, 32],
+    "clients_per_round": [1, 3, 5],
+}
+QUICK_SCALING_AXES = {"rollouts_per_round": [1, 2], "max_revisions": [0, 1], "max_new_tokens": [2, 4],
+                      "clients_per_round": [1, 2]}
+
+
+def scaling(model: str = "smollm2-135m", dtype: str = "auto", quick: bool = False,
+            output_dir: str | None = None, progress=None) -> dict[str, Any]:
+    """How a round's cost grows with rollouts, revisions, new tokens and clients (docs/performance.md).
+
+    Rollouts, revisions and new tokens change one client-round: each size runs the SPEAR client round
+    (``Worker.round``, the model loaded once) for clients 0, 1, 2 of the reference configuration at round 1 and
+    reports the median seconds per phase. Clients per round change the round itself: each size runs two rounds
+    through Flower's simulation engine and reports round 2 (round 1 pays the actor's start). ``quick`` shrinks
+    every size (for tests). ``progress(text)`` is called before each measurement.
+
+    Returns:
+        ``{"reference": {…}, "axes": {axis: [{"value": v, "seconds": {phase: s}, "counters": {…}}, …]}}``.
+    """
+    import dataclasses
+    import statistics
+
+    from .client import Worker
+    from .fl.simulation import simulate
+    from .model import get_adapter
+    from .rundir import RunDir
+
+    axes = QUICK_SCALING_AXES if quick else SCALING_AXES
+    ref = dict(task="arc_challenge", model=model, dtype=dtype, num_clients=10 if not quick else 2,
+               clients_per_round=3 if not quick else 1, rollouts_per_round=16 if not quick else 2, max_revisions=2,
+               max_new_tokens=16 if not quick else 4, local_steps=2, batch_size=4)
+    out: dict[str, Any] = {"reference": ref, "axes": {}}
+    cfg = RunConfig(**ref, rounds=1)
+    worker = Worker.load(cfg)
+    identity = get_adapter(worker.model)
+    parts = np.array_split(np.arange(len(worker.examples)), cfg.num_clients)
+    phases = ("generate_initial", "generate_revisions", "train")
+    for axis, values in axes.items():
+        if axis == "clients_per_round":
+            continue
+        rows = []
+        for value in values:
+            if progress:
+                progress(f"{axis} = {value}")
+            worker.cfg = dataclasses.replace(cfg, **{axis: value})
+            per_client = []
+            for pid in range(min(3, cfg.num_clients)):
+                t0 = time.perf_counter()
+                _, metrics = worker.round(identity, [int(i) for i in parts[pid]], pid, 1, cfg.lr)
+                per_client.append({**{k: metrics[f"seconds_{k}"] for k in phases},
+                                   "client_round": time.perf_counter() - t0,
+                                   "tokens_generated": metrics["tokens_generated"],
+                                   "revisions_attempted": metrics["revisions_attempted"]})
+            rows.append({"value": value, "seconds": {k: statistics.median(c[k] for c in per_client)
+                                                     for k in (*phases, "client_round")},
+                         "counters": {k: statistics.median(c[k] for c in per_client)
+                                      for k in ("tokens_generated", "revisions_attempted")}})
+        out["axes"][axis] = rows
+    worker.cfg = cfg
+    del worker
+    base_dir = Path(output_dir or tempfile.mkdtemp(prefix="fedspear-scaling-"))
+    rows = []
+    for value in axes["clients_per_round"]:
+        if progress:
+            progress(f"clients_per_round = {value} (simulation)")
+        run_cfg = RunConfig(**{**ref, "clients_per_round": value}, rounds=2, eval_every=2,
+                            eval_size=4, eval_generation=False, output_dir=str(base_dir / f"clients-{value}"))
+        simulate(run_cfg)
+        r2 = RunDir(run_cfg.output_dir).records()[-1]
+        sec = r2["seconds"]
+        rows.append({"value": value, "seconds": {**{k: sec[k] for k in (*phases, "aggregate", "flower_overhead")},
+                                                 "round": sec["round"] - sec["evaluate"]},
+                     "counters": {"tokens_generated": r2["tokens_generated"],
+                                  "revisions_attempted": r2["revisions_attempted"]}})
+    out["axes"]["clients_per_round"] = rows
+    return out
+
+
+def render_scaling(result: dict[str, Any]) -> str:
+    """Markdown tables of :func:`scaling`'s result (one per axis)."""
+    lines = [f"Reference: {json.dumps(result['reference'])}", ""]
+    for axis, rows in result["axes"].items():
+        cols = list(rows[0]["seconds"])
+        unit = "seconds per round (round 2)" if axis == "clients_per_round" else \
+            "seconds per client-round (median of 3 clients)"
+        lines += [f"**{axis}** — {unit}", "",
+                  f"| {axis} | " + " | ".join(c.replace("_", " ") for c in cols) + " | tokens generated | "
+                  "revision contexts |",
+                  "|" + "---|" * (len(cols) + 3)]
+        for row in rows:
+            lines.append(f"| {row['value']} | " + " | ".join(f"{row['seconds'][c]:.1f}" for c in cols)
+                         + f" | {row['counters']['tokens_generated']:.0f} | "
+                           f"{row['counters']['revisions_attempted']:.0f} |")
+        lines.append("")
+    return "\n".join(lines)
+
+
+def plot_scaling(result: dict[str, Any], path: Path) -> Path:
+    """One panel per axis: seconds per phase (stacked) against the axis value; written to ``path`` (PNG)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    axes = result["axes"]
+    fig, panels = plt.subplots(1, len(axes), figsize=(4 * len(axes), 3.4))
+    for ax, (axis, rows) in zip(np.atleast_1d(panels), axes.items()):
+        xs = [r["value"] for r in rows]
+        bottom = np.zeros(len(rows))
+        for phase in ("generate_initial", "generate_revisions", "train"):
+            ys = np.array([r["seconds"][phase] for r in rows])
+            ax.bar([str(x) for x in xs], ys, bottom=bottom, label=phase.replace("_", " "))
+            bottom += ys
+        ax.set_xlabel(axis.replace("_", " "))
+        ax.set_ylabel("seconds per round" if axis == "clients_per_round" else "seconds per client-round")
+        ax.grid(axis="y", alpha=0.3)
+    np.atleast_1d(panels)[0].legend(fontsize=8)
+    fig.suptitle(f"How a SPEAR round's cost grows ({result['reference']['model']}, this machine)", fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
 
 
 def render(result: dict[str, Any]) -> str:
@@ -234,14 +423,18 @@ def render(result: dict[str, Any]) -> str:
         s = r["seconds"]
         lines += [
             "",
-            f"One SPEAR round ({json.dumps(r['config'])}):",
+            f"SPEAR rounds ({json.dumps(r['config'])}): {r.get('rounds', 1)} rounds, seconds per client-round "
+            f"{', '.join(f'{x:.1f}' for x in r.get('seconds_per_client_round_each', [r['seconds_per_client_round']]))}"
+            f" (round 1 includes the client actor's start and model load); phases of the median round "
+            f"({r.get('median_round', 1)}):",
             "",
             "| phase | seconds (all sampled clients) |",
             "|---|---|",
             *[f"| {k.replace('_', ' ')} | {s[k]:.1f} |" for k in ("generate_initial", "generate_revisions", "train",
                                                                  "aggregate", "flower_overhead", "evaluate", "round")],
             "",
-            f"Seconds per client-round (round without evaluation ÷ clients): **{r['seconds_per_client_round']:.1f}**;"
+            f"Seconds per client-round (round without evaluation ÷ clients, median): "
+            f"**{r['seconds_per_client_round']:.1f}**;"
             f" Flower overhead {r['flower_overhead_share']:.1%} of the round; peak RSS client "
             f"{r['peak_rss_mb'].get('client', 0):.0f} MiB, server {r['peak_rss_mb'].get('server', 0):.0f} MiB.",
         ]

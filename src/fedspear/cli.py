@@ -283,24 +283,35 @@ def bench(
     with_round: bool = typer.Option(True, "--round/--no-round", help="also time one full SPEAR round"),
     as_json: bool = typer.Option(False, "--json", help="print JSON instead of tables"),
     output: Optional[Path] = typer.Option(None, help="also write the JSON here (and a .md beside it)"),
+    scaling: bool = typer.Option(False, "--scaling", help="instead: how a round's cost grows with rollouts, "
+                                 "revisions, new tokens and clients (3+ sizes each; ≈ 15 min); with --output also "
+                                 "a .png"),
 ) -> None:
-    """Measure this machine's bounds, fedspear's throughputs against them, and one SPEAR round."""
+    """Measure this machine's bounds, fedspear's throughputs against them, and SPEAR rounds (median of 3)."""
     import json
 
-    from .bench import render, run_bench
+    from .bench import plot_scaling, render, render_scaling, run_bench, scaling as run_scaling
     from .model import ModelError
 
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     try:
-        result = run_bench(model=model, dtype=dtype, quick=quick, round_=with_round)
+        if scaling:
+            result = run_scaling(model=model, dtype=dtype, quick=quick,
+                                 progress=lambda text: print(f"measuring {text}", file=sys.stderr, flush=True))
+            markdown = render_scaling(result)
+        else:
+            result = run_bench(model=model, dtype=dtype, quick=quick, round_=with_round)
+            markdown = render(result)
     except (ModelError, ValueError) as err:
         _fail(str(err))
     text = json.dumps(result, indent=2)
     if output:
         output.parent.mkdir(parents=True, exist_ok=True)
         output.write_text(text + "\n")
-        output.with_suffix(".md").write_text(render(result))
-    print(text if as_json else render(result))
+        output.with_suffix(".md").write_text(markdown)
+        if scaling:
+            plot_scaling(result, output.with_suffix(".png"))
+    print(text if as_json else markdown)
 
 
 @app.command()

@@ -301,6 +301,51 @@ def paired_ci(diffs: list[float]) -> tuple[float, float, float]:
     return m, m - half, m + half
 
 
+def item_mean_ci(outcomes: list[str], z: float = 1.959964) -> tuple[float, float, float]:
+    """Accuracy over the same items answered in several runs (one "1"/"0" string per run, ``evaluate``'s
+    ``correct_<metric>``), with a 95% normal interval over items → ``(mean, low, high)``.
+
+    Each item's score is its mean over the runs (seeds); the interval is mean ± z · sd / √n over the n items, so it
+    measures how much the figure would move on other items, not how it would move with other seeds.
+
+    Raises:
+        ValueError: no strings, strings of different lengths, empty strings or characters other than 0/1.
+    """
+    return _items_ci([[int(c) for c in _check_outcomes(o, outcomes)] for o in outcomes], z)
+
+
+def paired_gain(before: str, after: list[str], z: float = 1.959964) -> tuple[float, float, float]:
+    """Gain in accuracy of ``after`` (one outcome string per seed) over ``before`` on the same items, paired by item,
+    with a 95% normal interval over items → ``(gain, low, high)`` (fractions; × 100 for points).
+
+    Item i contributes d_i = mean over seeds of after_s[i] − before[i] ∈ [−1, 1]; gain = mean d_i, interval
+    gain ± z · sd(d) / √n. Pairing removes the between-item variance that two separate Wilson intervals would count.
+
+    Raises:
+        ValueError: as :func:`item_mean_ci`, including ``before`` of another length.
+    """
+    base = [int(c) for c in _check_outcomes(before, [before, *after])]
+    rows = [[int(c) for c in _check_outcomes(o, [before, *after])] for o in after]
+    return _items_ci([[v - b for v, b in zip(row, base)] for row in rows], z)
+
+
+def _check_outcomes(outcome: str, group: list[str]) -> str:
+    if not group or not outcome or any(len(o) != len(outcome) for o in group) or set(outcome) - {"0", "1"}:
+        raise ValueError("per-item outcomes must be non-empty strings of 0/1 of one length (the same items)")
+    return outcome
+
+
+def _items_ci(rows: list[list[int]], z: float) -> tuple[float, float, float]:
+    if not rows:
+        raise ValueError("per-item outcomes must be non-empty strings of 0/1 of one length (the same items)")
+    n = len(rows[0])
+    scores = [sum(col) / len(rows) for col in zip(*rows)]
+    m = sum(scores) / n
+    sd = math.sqrt(sum((x - m) ** 2 for x in scores) / (n - 1)) if n > 1 else math.nan
+    half = z * sd / math.sqrt(n)
+    return m, m - half, m + half
+
+
 def cell_summary(cell: Cell) -> dict[str, Any] | None:
     """Figures of one finished cell (None when it has not run)."""
     run = RunDir(cell.path)
@@ -318,6 +363,8 @@ def cell_summary(cell: Cell) -> dict[str, Any] | None:
         "final_round": last["round"],
         "acc0": {k: first.get(k) for k in ("acc_gen", "acc_ll")},
         "acc": {k: last["eval"].get(k) for k in ("acc_gen", "acc_ll")},
+        "outcomes0": {k: first.get("correct_" + k[4:]) for k in ("acc_gen", "acc_ll")},
+        "outcomes": {k: last["eval"].get("correct_" + k[4:]) for k in ("acc_gen", "acc_ll")},
         "n": last["eval"]["n"],
         "n_gen": last["eval"].get("n_gen", last["eval"]["n"]),
         "curve": [(r["round"], r["eval"].get("acc_gen"), r["eval"].get("acc_ll")) for r in records if r.get("eval")],
@@ -420,6 +467,9 @@ def summarise(grid: Grid, output: Path, command: str = "", started: str = "") ->
                                           "diff": m, "low": lo, "high": hi, "pairs": len(seeds)})
         table["spear_minus"] = diffs_out
         lines.append("")
+    gain_lines, gains = gain_table(grid, rows, variants, metric_keys)
+    lines += gain_lines
+    table["gain_over_round0"] = gains
     lines += ["## Cost", "",
               "Seconds per round exclude the central evaluation (interaction + training + aggregation + Flower), "
               "summed over the round's clients' wall-clock as the server saw it; mean over seeds and rounds.", "",
@@ -459,6 +509,49 @@ def summarise(grid: Grid, output: Path, command: str = "", started: str = "") ->
     (output / "comparison.json").write_text(json.dumps({"grid": grid.to_dict(), "table": table, "cells": rows},
                                                        indent=1, default=str) + "\n", encoding="utf-8")
     return out
+
+
+def gain_table(grid: Grid, rows: list[dict], variants: list[str], metric_keys: list[str]
+               ) -> tuple[list[str], list[dict[str, Any]]]:
+    """The "gain over round 0" section: per algorithm, round-0 and final accuracy with 95% intervals over items
+    and the item-paired gain (:func:`paired_gain`), pooled over seeds. Cells without per-item outcomes (runs from
+    before they were recorded) are left out; no section when none has them."""
+    out, lines = [], []
+    for key in metric_keys:
+        for task in grid.tasks:
+            for variant in variants:
+                for algorithm in grid.algorithms:
+                    rs = [r for r in rows if r["task"] == task and r["variant"] == variant
+                          and r["algorithm"] == algorithm and r.get("outcomes", {}).get(key)
+                          and r.get("outcomes0", {}).get(key)]
+                    before = {r["outcomes0"][key] for r in rs}
+                    if not rs or len(before) != 1 or any(len(r["outcomes"][key]) != len(next(iter(before)))
+                                                         for r in rs):
+                        continue  # round 0 must be one and the same measurement of the same items
+                    before = before.pop()
+                    after = [r["outcomes"][key] for r in rs]
+                    r0, final, gain = item_mean_ci([before]), item_mean_ci(after), paired_gain(before, after)
+                    out.append({"metric": key, "task": task, "variant": variant, "algorithm": algorithm,
+                                "round0": r0, "final": final, "gain": gain, "seeds": len(rs), "items": len(before)})
+    if not out:
+        return [], []
+    lines += ["## Gain over round 0", "",
+              "Accuracy in % with a 95% interval over the evaluated items (each item scored by its mean over the "
+              "seeds), and the gain over the base model paired item by item (the same items at round 0 and at the "
+              "end). The intervals say how much a figure would move on other questions; with this few seeds they "
+              "do not include the spread between seeds (the ± std in the tables above).", "",
+              "| Metric | Task | Variant | Algorithm | round 0 | final | gain (pp) | seeds × items |",
+              "|---|---|---|---|---|---|---|---|"]
+
+    def fmt(t):
+        return f"{100 * t[0]:.1f} [{100 * t[1]:.1f}, {100 * t[2]:.1f}]"
+
+    for g in out:
+        gm, glo, ghi = (100 * x for x in g["gain"])
+        lines.append(f"| {g['metric']} | {g['task']} | {g['variant'] or '–'} | "
+                     f"{NAMES.get(g['algorithm'], g['algorithm'])} | {fmt(g['round0'])} | {fmt(g['final'])} | "
+                     f"{gm:+.1f} [{glo:+.1f}, {ghi:+.1f}] | {g['seeds']} × {g['items']} |")
+    return lines + [""], out
 
 
 def plot_comparison(grid: Grid, rows: list[dict], folder: Path) -> list[Path]:

@@ -18,7 +18,7 @@ from typing import Sequence
 
 import torch
 
-from .interaction import generate, render
+from .interaction import generate, render, shared_prefix_length
 from .model import autocast
 from .tasks.base import Example
 
@@ -38,17 +38,6 @@ def label_token_ids(tokenizer, labels: Sequence[str]) -> list[int]:
     """First token id of each label as it would begin the answer (see the module docstring)."""
     prefix = "" if getattr(tokenizer, "chat_template", None) else " "
     return [tokenizer.encode(prefix + label, add_special_tokens=False)[0] for label in labels]
-
-
-def shared_prefix_length(contexts: Sequence[Sequence[int]]) -> int:
-    """Number of leading tokens all ``contexts`` share, capped so every context keeps at least one token after it."""
-    if not contexts:
-        return 0
-    first, limit = contexts[0], min(len(c) for c in contexts) - 1
-    n = 0
-    while n < limit and all(c[n] == first[n] for c in contexts):
-        n += 1
-    return n
 
 
 @torch.no_grad()
@@ -113,7 +102,7 @@ def loglik_predictions(model, tokenizer, examples: Sequence[Example], task, *, d
 
 def evaluate(model, tokenizer, examples: Sequence[Example], task, *, dtype_used: str = "fp32",
              generation: bool = True, loglik: bool = True, batch_size: int = 32,
-             max_new_tokens: int | None = None, generation_size: int = 0) -> dict[str, float]:
+             max_new_tokens: int | None = None, generation_size: int = 0) -> dict[str, float | str]:
     """Accuracy of ``model`` on ``examples``.
 
     ``generation_size`` > 0 generates only for the first ``generation_size`` examples (``n_gen``; callers pass a
@@ -127,10 +116,12 @@ def evaluate(model, tokenizer, examples: Sequence[Example], task, *, dtype_used:
         ``n``, and for each metric computed (``acc_gen``; ``acc_ll`` for multiple choice): the accuracy, its
         Wilson 95% interval (``<name>_low``, ``<name>_high``), plus ``seconds_evaluate`` and, for generation, the
         share of answers that could be parsed (``parsed_gen``) and the predicted-label distribution
-        (``pred_<label>`` counts) so a shift of the label prior is visible.
+        (``pred_<label>`` counts) so a shift of the label prior is visible. ``correct_<name>`` holds the outcome
+        per item in evaluation order ("1" right, "0" wrong; a string of length ``n`` or ``n_gen``), so evaluations
+        of the same items can be compared item by item (``fedspear.compare.paired_gain``).
     """
     t0 = time.perf_counter()
-    out: dict[str, float] = {"n": len(examples)}
+    out: dict[str, float | str] = {"n": len(examples)}
     predictions = None
     generated = list(examples[:generation_size]) if 0 < generation_size < len(examples) else list(examples)
     if generation and examples:
@@ -145,7 +136,9 @@ def evaluate(model, tokenizer, examples: Sequence[Example], task, *, dtype_used:
                        for logits, ex in zip(first, examples)]
         answers = [task.extract_answer(tokenizer.decode(c, skip_special_tokens=True), ex)
                    for c, ex in zip(completions, examples)]
-        correct = sum(a == ex.gold for a, ex in zip(answers, examples))
+        outcomes = "".join("1" if a == ex.gold else "0" for a, ex in zip(answers, examples))
+        correct = outcomes.count("1")
+        out["correct_gen"] = outcomes
         out["acc_gen"] = correct / len(examples)
         out["acc_gen_low"], out["acc_gen_high"] = wilson_interval(correct, len(examples))
         out["parsed_gen"] = sum(a is not None for a in answers) / len(examples)
@@ -157,7 +150,9 @@ def evaluate(model, tokenizer, examples: Sequence[Example], task, *, dtype_used:
         if len(predictions) < len(examples):  # the rest: one forward per item
             predictions += loglik_predictions(model, tokenizer, examples[len(predictions):], task,
                                               dtype_used=dtype_used)
-        correct = sum(p == ex.gold for p, ex in zip(predictions, examples))
+        outcomes = "".join("1" if p == ex.gold else "0" for p, ex in zip(predictions, examples))
+        correct = outcomes.count("1")
+        out["correct_ll"] = outcomes
         out["acc_ll"] = correct / len(examples)
         out["acc_ll_low"], out["acc_ll_high"] = wilson_interval(correct, len(examples))
     out["seconds_evaluate"] = time.perf_counter() - t0

@@ -299,8 +299,8 @@ def scaling(model: str = "smollm2-135m", dtype: str = "auto", quick: bool = Fals
                clients_per_round=3 if not quick else 1, rollouts_per_round=16 if not quick else 2, max_revisions=2,
                max_new_tokens=16 if not quick else 4, local_steps=2, batch_size=4)
     out: dict[str, Any] = {"reference": ref, "axes": {}}
-    cfg = RunConfig(**ref, rounds=1)
-    worker = Worker.load(cfg)
+    worker = Worker.load(RunConfig(**ref, rounds=1))
+    cfg = worker.cfg  # resolved: the task's defaults filled in
     identity = get_adapter(worker.model)
     parts = np.array_split(np.arange(len(worker.examples)), cfg.num_clients)
     phases = ("generate_initial", "generate_revisions", "train")

@@ -428,3 +428,51 @@ def test_bench_flop_counts_by_hand():
     # 2 rows × 10 tokens, logits at the last position: 2·(body + lora)·20 + 2·head·2 + 2·layers·width·10·20
     assert prefill_flops(counts, 2, 10) == 2 * 82_240 * 20 + 2 * 3_145_728 * 2 + 2 * 2 * 64 * 10 * 20 == 15_923_712
     assert train_flops(counts, 2, 10, 1) == 2 * 15_923_712 + 2 * 8_192 * 20
+
+
+def test_length_buckets_by_hand():
+    # lengths 10, 100, 12, 98: one batch computes 4 · 100 = 400 positions; split after the 2 shortest: 2·12 + 2·100
+    from fedspear.training import length_buckets
+
+    assert length_buckets([10, 100, 12, 98]) == [[0, 2], [3, 1]]
+    assert length_buckets([100, 99, 100, 98]) == [[0, 1, 2, 3]]  # best split saves 0.5%: not worth a second forward
+    assert length_buckets([50]) == [[0]] and length_buckets([]) == [[]]
+
+
+def test_length_bucketed_logprobs_and_gradients_equal_one_padded_forward(tiny, arc_items):
+    """Traces of very different lengths: the two-bucket forward gives the single left-padded forward's log-probs
+    and LoRA gradients (rows back in batch order, completions right-aligned)."""
+    import copy
+
+    from fedspear.interaction import Trace
+    from fedspear.training import completion_logprobs, length_buckets, pack
+
+    model, tok = tiny
+    model = copy.deepcopy(model)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "lora_B" in name:
+                p.copy_(torch.randn_like(p) * 0.3)
+    traces = []
+    for i, ex in enumerate(arc_items[:4]):
+        prompt = render(tok, [arc_challenge.prompt(ex)])
+        prompt = prompt[: 12 + 40 * (i % 2)] if i < 2 else prompt  # two short rows, two long ones
+        completion = tok.encode(" The answer is B", add_special_tokens=False)[: 2 + i]
+        traces.append(Trace(ex.uid, prompt, completion, has_eos=False))
+    batch = pack(traces, tok.pad_token_id)
+    lengths = [len(t.prompt_ids) + len(t.completion_ids) for t in traces]
+    assert len(length_buckets(lengths)) == 2
+    results = []
+    for bucketed in (False, True):
+        model.zero_grad(set_to_none=True)
+        b = batch if bucketed else pack(traces, tok.pad_token_id).__class__(
+            *[getattr(batch, f) for f in ("input_ids", "attention_mask", "position_ids", "labels", "completion_mask",
+                                          "tail_base")])  # no traces: one forward
+        logp = completion_logprobs(model, b, "fp32")  # [4, C]
+        (logp * batch.completion_mask).sum().backward()
+        grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+        results.append((logp.detach(), grads))
+    mask = batch.completion_mask
+    torch.testing.assert_close(results[1][0][mask], results[0][0][mask], atol=1e-5, rtol=1e-5)
+    for name, grad in results[0][1].items():
+        torch.testing.assert_close(results[1][1][name], grad, atol=1e-5, rtol=1e-4)

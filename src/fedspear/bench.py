@@ -36,6 +36,32 @@ from .config import RunConfig
 from .model import autocast
 
 
+def machine() -> dict[str, Any]:
+    """What the figures were measured on: CPU model and family (``/proc/cpuinfo``), threads torch uses, torch, and
+    the fedspear commit when run from a git checkout."""
+    info: dict[str, Any] = {"cpu": platform.processor() or platform.machine(), "threads": torch.get_num_threads(),
+                            "torch": torch.__version__}
+    try:
+        fields = dict(line.split(":", 1) for line in Path("/proc/cpuinfo").read_text().splitlines() if ":" in line)
+        fields = {k.strip(): v.strip() for k, v in fields.items()}
+        info["cpu"] = f"{fields.get('model name', info['cpu'])} (family {fields.get('cpu family', '?')}, model " \
+                      f"{fields.get('model', '?')})"
+        info["avx512_bf16"] = "avx512_bf16" in fields.get("flags", "").split()
+    except OSError:
+        pass
+    try:
+        import subprocess
+
+        here = Path(__file__).resolve().parent
+        commit = subprocess.run(["git", "-C", str(here), "rev-parse", "--short", "HEAD"], capture_output=True,
+                                text=True, timeout=10)
+        if commit.returncode == 0:
+            info["fedspear_commit"] = commit.stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        pass
+    return info
+
+
 def _timed(fn, min_seconds: float) -> tuple[float, int]:
     """Run ``fn`` once to warm up, then repeatedly for at least ``min_seconds`` → (seconds per call, calls)."""
     fn()
@@ -160,8 +186,7 @@ def run_bench(model: str = "smollm2-135m", dtype: str = "auto", quick: bool = Fa
     s = 0.2 if quick else 1.5  # seconds per micro-benchmark
     out: dict[str, Any] = {
         "date": _dt.datetime.now().isoformat(timespec="seconds"),
-        "machine": {"cpu": platform.processor() or platform.machine(), "threads": torch.get_num_threads(),
-                    "torch": torch.__version__},
+        "machine": machine(),
         "model": model,
     }
     bounds = {
@@ -298,7 +323,8 @@ def scaling(model: str = "smollm2-135m", dtype: str = "auto", quick: bool = Fals
     ref = dict(task="arc_challenge", model=model, dtype=dtype, num_clients=10 if not quick else 2,
                clients_per_round=3 if not quick else 1, rollouts_per_round=16 if not quick else 2, max_revisions=2,
                max_new_tokens=16 if not quick else 4, local_steps=2, batch_size=4)
-    out: dict[str, Any] = {"reference": ref, "axes": {}}
+    out: dict[str, Any] = {"date": _dt.datetime.now().isoformat(timespec="seconds"), "machine": machine(),
+                           "reference": ref, "axes": {}}
     worker = Worker.load(RunConfig(**ref, rounds=1))
     cfg = worker.cfg  # resolved: the task's defaults filled in
     identity = get_adapter(worker.model)
@@ -347,7 +373,12 @@ def scaling(model: str = "smollm2-135m", dtype: str = "auto", quick: bool = Fals
 
 def render_scaling(result: dict[str, Any]) -> str:
     """Markdown tables of :func:`scaling`'s result (one per axis)."""
-    lines = [f"Reference: {json.dumps(result['reference'])}", ""]
+    m = result.get("machine", {})
+    lines = [f"# fedspear bench --scaling — {result['reference']['model']}, {result.get('date', '')}", "",
+             f"Machine: {m.get('cpu', '?')}, {m.get('threads', '?')} threads, torch {m.get('torch', '?')}"
+             + (f", fedspear {m['fedspear_commit']}" if m.get("fedspear_commit") else "") + ".",
+             *([f"Command: `{result['command']}`"] if result.get("command") else []), "",
+             f"Reference: {json.dumps(result['reference'])}", ""]
     for axis, rows in result["axes"].items():
         cols = list(rows[0]["seconds"])
         unit = "seconds per round (round 2)" if axis == "clients_per_round" else \
@@ -399,7 +430,9 @@ def render(result: dict[str, Any]) -> str:
         f"# fedspear bench — {result['model']} ({result['dtype']}), {result['date']}",
         "",
         f"Machine: {result['machine']['cpu']}, {result['machine']['threads']} threads, torch "
-        f"{result['machine']['torch']}.",
+        f"{result['machine']['torch']}" + (f", fedspear {result['machine']['fedspear_commit']}"
+                                             if result['machine'].get('fedspear_commit') else "") + ".",
+        *([f"Command: `{result['command']}`"] if result.get("command") else []),
         "",
         "| bound | value |",
         "|---|---|",

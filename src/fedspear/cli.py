@@ -298,12 +298,12 @@ def bench(
         if scaling:
             result = run_scaling(model=model, dtype=dtype, quick=quick,
                                  progress=lambda text: print(f"measuring {text}", file=sys.stderr, flush=True))
-            markdown = render_scaling(result)
         else:
             result = run_bench(model=model, dtype=dtype, quick=quick, round_=with_round)
-            markdown = render(result)
     except (ModelError, ValueError) as err:
         _fail(str(err))
+    result["command"] = "fedspear " + " ".join(sys.argv[1:])
+    markdown = render_scaling(result) if scaling else render(result)
     text = json.dumps(result, indent=2)
     if output:
         output.parent.mkdir(parents=True, exist_ok=True)

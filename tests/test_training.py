@@ -20,6 +20,15 @@ from fedspear.tasks import arc_challenge
 from fedspear.training import TrainSettings, completion_logprobs, local_train, pack
 
 
+
+def with_random_adapter(model, scale: float = 0.5):
+    """``model`` (a peft model) with its LoRA B matrices set to N(0, scale²) in place, so the adapter path counts."""
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "lora_B" in name:
+                p.copy_(torch.randn_like(p) * scale)
+    return model
+
 def test_interaction_builds_win_and_lose_sets_as_in_alg1(tiny, arc_items, scripted):
     """Alg. 1: item 0 right at once → win (c0, y0); item 1 wrong then right at revision 1 → win (c0, y1) and
     lose (c0, y0, α = 1); item 2 wrong at y0, y1, y2 → lose (c0, y0, α = 0.5). Revisions tried: 1 + 2 = 3."""
@@ -239,11 +248,7 @@ def test_prefix_cache_logits_equal_a_plain_forward_per_item(tiny, arc_items):
     import copy
 
     model, tok = tiny
-    model = copy.deepcopy(model)  # a non-identity adapter, so the LoRA path counts too
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if "lora_B" in name:
-                p.copy_(torch.randn_like(p) * 0.5)
+    model = with_random_adapter(copy.deepcopy(model), 0.5)  # a non-identity adapter, so the LoRA path counts too
     contexts = [render(tok, [arc_challenge.prompt(ex)]) for ex in arc_items]
     assert shared_prefix_length(contexts) > 10  # the chat template and instruction are shared
     assert len({len(c) for c in contexts}) > 1  # and the tails need padding
@@ -308,10 +313,7 @@ def test_bf16_linear_weights_give_autocasts_outputs_and_gradients_bitwise():
             assert base.get_output_embeddings().weight.dtype == torch.bfloat16
         model = add_lora(base, LoraSettings(r=4, alpha=8, dropout=0.0), seed=0)
         torch.manual_seed(1)
-        with torch.no_grad():
-            for name, param in model.named_parameters():
-                if "lora_B" in name:
-                    param.copy_(torch.randn_like(param) * 0.3)
+        with_random_adapter(model, 0.3)
         assert {p.dtype for n, p in model.named_parameters() if "lora_" in n} == {torch.float32}
         models.append(model)
     ids = torch.randint(0, len(tok), (3, 17))
@@ -337,11 +339,7 @@ def test_generation_with_the_shared_prefix_cached_matches_plain_generation(tiny,
     from fedspear.interaction import generate
 
     model, tok = tiny
-    model = copy.deepcopy(model)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if "lora_B" in name:
-                p.copy_(torch.randn_like(p) * 0.5)
+    model = with_random_adapter(copy.deepcopy(model), 0.5)
     contexts = [render(tok, [arc_challenge.prompt(ex)]) for ex in arc_items]
     runs = {}
     for reuse in (False, True):
@@ -448,11 +446,7 @@ def test_length_bucketed_logprobs_and_gradients_equal_one_padded_forward(tiny, a
     from fedspear.training import completion_logprobs, length_buckets, pack
 
     model, tok = tiny
-    model = copy.deepcopy(model)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if "lora_B" in name:
-                p.copy_(torch.randn_like(p) * 0.3)
+    model = with_random_adapter(copy.deepcopy(model), 0.3)
     traces = []
     for i, ex in enumerate(arc_items[:4]):
         prompt = render(tok, [arc_challenge.prompt(ex)])

@@ -116,6 +116,8 @@ def test_grpo_mixed_rewards_train(arc_items):
     start = nonzero_start(worker)
     m = grpo.client_round(worker, arc_items[:3], lr=1e-2, seed=1, feedback=Alternate())
     assert m["initial_correct"] == 6 and m["num-wins"] == 6 and m["zero_advantage_groups"] == 0
+    # first answers are the 3 × G group samples, not the 3 prompts: an alternating reward is right on half of them
+    assert m["initial_samples"] == 3 * grpo.settings(worker.cfg).group_size == 12 and m["prompts"] == 3
     assert m["steps"] == 2 and np.isfinite(m["loss"])
     assert moved(worker, start) > 1e-5
 
@@ -144,6 +146,7 @@ def test_rltf_sd_revises_only_wrong_samples(arc_items, scripted):
     m = rltf_sd.client_round(worker, items, lr=1e-2, seed=3, feedback=scripted(script))
     assert m["initial_correct"] == 2 and m["revisions_attempted"] == 6 and m["revisions_successful"] == 2
     assert m["generations"] == 8 + 6 and m["weight"] == 2 and m["num-wins"] == 4
+    assert m["initial_samples"] == 8 and m["prompts"] == 2  # 2 prompts × N = 4 first-turn samples
     assert m["steps"] == 2 and np.isfinite(m["loss"])
     assert moved(worker, start) > 1e-5
 

@@ -67,7 +67,7 @@ def test_run_writes_metrics_report_plots_and_resumes(tmp_path):
         assert r["losses"] == r["prompts"] - r["initial_correct"]
         assert r["revisions_successful"] <= r["revisions_attempted"] <= 2 * (r["prompts"] - r["initial_correct"])
         assert r["tokens_generated"] >= r["generations"] >= r["prompts"]
-        assert r["initial_accuracy"] == pytest.approx(r["initial_correct"] / 4)
+        assert r["initial_samples"] == 4 and r["initial_accuracy"] == pytest.approx(r["initial_correct"] / 4)
         s = r["seconds"]
         assert s["generate_initial"] > 0 and s["round"] > 0 and s["evaluate"] > 0
         assert s["train"] > 0 if r["wins"] else s["train"] >= 0

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from fedspear.config import ConfigError, RunConfig
-from fedspear.rundir import RunDir, RunDirError
+from fedspear.rundir import RunDir, RunDirError, initial_accuracy, initial_samples
 
 A = {"base_model.model.layer.lora_A.weight": np.arange(6, dtype=np.float32).reshape(2, 3)}
 
@@ -62,3 +62,17 @@ def test_other_settings_are_refused(tmp_path):
     with pytest.raises(ConfigError, match="lambda_l: saved 0.1 vs now 0.0"):
         run.check_or_write_config(RunConfig(lambda_l=0.0).resolved())
     run.check_or_write_config(RunConfig(output_dir="elsewhere").resolved())  # where it lives may change
+
+
+def test_initial_accuracy_counts_first_answers_not_prompts():
+    """GRPO samples a group of G per prompt: 12 of 32 first answers right is 0.375, not 12 / 8 = 1.5 (what records
+    of fedspear ≤ ef129e1 stored). Records without ``initial_samples`` get it as generations − revision attempts."""
+    grpo_new = {"prompts": 8, "initial_samples": 32, "initial_correct": 12, "generations": 32, "revisions_attempted": 0}
+    grpo_old = {k: v for k, v in grpo_new.items() if k != "initial_samples"} | {"initial_accuracy": 1.5}
+    spear_old = {"prompts": 8, "initial_correct": 5, "generations": 11, "revisions_attempted": 3}
+    rltf_old = {"prompts": 2, "initial_correct": 2, "generations": 14, "revisions_attempted": 6}
+    assert initial_samples(grpo_new) == initial_samples(grpo_old) == 32
+    assert initial_accuracy(grpo_new) == initial_accuracy(grpo_old) == 0.375
+    assert initial_samples(spear_old) == 8 and initial_accuracy(spear_old) == 5 / 8
+    assert initial_samples(rltf_old) == 8 and initial_accuracy(rltf_old) == 0.25
+    assert initial_accuracy({"prompts": 0, "initial_samples": 0, "initial_correct": 0}) is None  # no client answered

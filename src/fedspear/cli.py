@@ -127,7 +127,7 @@ def _run(cfg: RunConfig, verbose: bool) -> None:
     from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
     from .model import ModelError, resolve_dtype
-    from .rundir import RunDir, RunDirError
+    from .rundir import RunDir, RunDirError, initial_accuracy
     from .tasks.base import DataError
 
     console = Console(stderr=True)
@@ -155,7 +155,7 @@ def _run(cfg: RunConfig, verbose: bool) -> None:
             progress.console.print(
                 f"round {record['round']}: wins {record['wins']} losses {record['losses']} revisions "
                 f"{record['revisions_successful']}/{record['revisions_attempted']} initial acc "
-                f"{(record['initial_accuracy'] or 0):.2f}  {acc}  ({record['seconds']['round']:.0f} s)"
+                f"{(initial_accuracy(record) or 0):.2f}  {acc}  ({record['seconds']['round']:.0f} s)"
             )
             progress.update(bar, completed=record["round"])
 

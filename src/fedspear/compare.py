@@ -29,7 +29,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from .config import ALGORITHMS, ConfigError, RunConfig, load_config, read_toml
-from .rundir import RunDir
+from .rundir import RunDir, initial_accuracy, initial_samples
 
 # the settings the paper's ablations and robustness studies vary (SPEC §5, issue "compare"); "centralized" is
 # shorthand for one client holding all the data
@@ -374,8 +374,8 @@ def cell_summary(cell: Cell) -> dict[str, Any] | None:
         "tokens_generated": sum(r.get("tokens_generated", 0) for r in rounds),
         "generations": sum(r.get("generations", 0) for r in rounds),
         "revisions_successful": [r.get("revisions_successful", 0) for r in rounds],
-        "needing_revision": [r.get("prompts", 0) - r.get("initial_correct", 0) for r in rounds],
-        "initial_accuracy": [r.get("initial_accuracy") for r in rounds],
+        "needing_revision": [initial_samples(r) - r.get("initial_correct", 0) for r in rounds],
+        "initial_accuracy": [initial_accuracy(r) for r in rounds],
         "phase_seconds": {k: sum(r["seconds"].get(k, 0.0) for r in rounds)
                           for k in ("generate_initial", "generate_revisions", "train", "aggregate",
                                     "flower_overhead")},

@@ -49,8 +49,8 @@ class Trace:
 class InteractionResult:
     """Win set, lose set and the counters of SPEC §6 for one client-round.
 
-    ``counters`` keys: prompts, initial_correct, revisions_attempted, revisions_successful, generations,
-    tokens_generated (all ints), seconds_generate_initial, seconds_generate_revisions (floats, seconds).
+    ``counters`` keys: prompts, initial_samples (= prompts here), initial_correct, revisions_attempted,
+    revisions_successful, generations, tokens_generated (all ints), seconds_generate_initial, seconds_generate_revisions (floats, seconds).
     """
 
     wins: list[Trace] = field(default_factory=list)
@@ -193,8 +193,8 @@ def interact(
     torch.manual_seed(seed)
     result = InteractionResult()
     counters = dict(
-        prompts=len(examples), initial_correct=0, revisions_attempted=0, revisions_successful=0,
-        generations=0, tokens_generated=0, seconds_generate_initial=0.0, seconds_generate_revisions=0.0,
+        prompts=len(examples), initial_samples=len(examples), initial_correct=0, revisions_attempted=0,
+        revisions_successful=0, generations=0, tokens_generated=0, seconds_generate_initial=0.0, seconds_generate_revisions=0.0,
     )
     prompts = [task.prompt(ex) for ex in examples]
     c0 = [render(tokenizer, [p]) for p in prompts]

@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Sequence
 
 from .config import RunConfig
+from .rundir import initial_accuracy
 
 
 def _fmt(value, digits: int = 3) -> str:
@@ -159,7 +160,7 @@ def write_report(path: str | Path, records: Sequence[dict], cfg: RunConfig, dtyp
     for r in rounds:
         s = r["seconds"]
         lines.append(
-            f"| {r['round']} | {r['lr']:.2e} | {r['prompts']} | {_fmt(r['initial_accuracy'])} | {r['wins']} | "
+            f"| {r['round']} | {r['lr']:.2e} | {r['prompts']} | {_fmt(initial_accuracy(r))} | {r['wins']} | "
             f"{r['losses']} | {r['revisions_successful']} / {r['revisions_attempted']} | {r['tokens_generated']} | "
             f"{_fmt(r['loss_win'] if r.get('loss_win') is not None else r.get('loss'))} / {_fmt(r.get('loss_lose'))} | {_fmt(r.get('margin'))} | "
             f"{s['generate_initial'] + s['generate_revisions']:.1f} | {s['train']:.1f} | {s['evaluate']:.1f} | "

@@ -27,6 +27,27 @@ import numpy as np
 
 from .config import ConfigError, RunConfig, load_config
 
+def initial_samples(record: dict[str, Any]) -> int:
+    """How many first answers a round's ``initial_correct`` counts: one per prompt for SPEAR, Feedback SFT and OPSD,
+    a group per prompt for GRPO and RLTF-SD. Read from the ``initial_samples`` counter; records written before it
+    existed (fedspear ≤ ef129e1) give it as ``generations − revisions_attempted`` (every sampled completion is
+    counted once in ``generations``, and revision attempts are the only other samples)."""
+    if record.get("initial_samples") is not None:
+        return int(record["initial_samples"])
+    if "generations" in record:
+        return int(record["generations"]) - int(record.get("revisions_attempted", 0))
+    return int(record.get("prompts", 0))
+
+
+def initial_accuracy(record: dict[str, Any]) -> float | None:
+    """Share of a round's first answers (its clients' initial samples) that were correct; None without samples.
+
+    Records of fedspear ≤ ef129e1 stored ``initial_correct / prompts``, above 1 for GRPO and RLTF-SD (G samples
+    per prompt); this recomputes it from the counters."""
+    n = initial_samples(record)
+    return record.get("initial_correct", 0) / n if n > 0 else None
+
+
 class RunDirError(ValueError):
     """A run directory is damaged beyond repair (the message says what is wrong and what to do)."""
 

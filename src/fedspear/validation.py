@@ -15,8 +15,9 @@ import numpy as np
 
 # counters a client reply must carry as non-negative integers (weight is the aggregation weight)
 REQUIRED_COUNTERS = ("weight", "num-wins", "num-losses", "prompts")
-INTEGER_COUNTERS = REQUIRED_COUNTERS + ("initial_correct", "revisions_attempted", "revisions_successful",
-                                        "generations", "tokens_generated", "steps", "skipped_nonfinite")
+INTEGER_COUNTERS = REQUIRED_COUNTERS + ("initial_samples", "initial_correct", "revisions_attempted",
+                                        "revisions_successful", "generations", "tokens_generated", "steps",
+                                        "skipped_nonfinite")
 
 
 def update_norm(global_arrays: Mapping[str, np.ndarray], client_arrays: Mapping[str, np.ndarray]) -> float:

@@ -6,7 +6,8 @@ Every module exposes a typed ``Settings`` dataclass (defaults from the paper's a
     client_round(worker, examples, *, lr, seed, feedback) -> metrics
 
 which trains ``worker.model``'s adapter in place on one client's prompts for one round and returns the metrics the
-server logs. Every algorithm reports the same counters (``prompts``, ``initial_correct``, ``revisions_attempted``,
+server logs. Every algorithm reports the same counters (``prompts``, ``initial_samples`` (first answers sampled: one
+per prompt, or a group per prompt for GRPO and RLTF-SD), ``initial_correct``, ``revisions_attempted``,
 ``revisions_successful``, ``generations``, ``tokens_generated``, ``seconds_generate_initial``,
 ``seconds_generate_revisions``, ``seconds_train``, ``steps``) plus ``weight`` — its aggregation weight (SPEC §5:
 the win count for SPEAR and Feedback SFT, the number of prompts for GRPO, OPSD and RLTF-SD) — and ``num-wins`` /

@@ -22,7 +22,7 @@ def pad_id(tokenizer) -> int:
 
 def new_counters(prompts: int) -> dict[str, float]:
     """The counters every algorithm reports (SPEC §6), zeroed."""
-    return dict(prompts=prompts, initial_correct=0, revisions_attempted=0, revisions_successful=0, generations=0,
+    return dict(prompts=prompts, initial_samples=prompts, initial_correct=0, revisions_attempted=0, revisions_successful=0, generations=0,
                 tokens_generated=0, seconds_generate_initial=0.0, seconds_generate_revisions=0.0)
 
 

@@ -71,7 +71,7 @@ def client_round(worker, examples: Sequence[Example], *, lr: float, seed: int,
     completions = common.sample(worker, contexts, counters, "initial")
     rewards = [float(feedback.is_correct(examples[k // s.group_size], common.text(worker, y)))
                for k, y in enumerate(completions)]
-    counters["initial_correct"] = sum(rewards)
+    counters["initial_correct"], counters["initial_samples"] = sum(rewards), len(rewards)
     advantages = B.grpo_advantages(torch.tensor(rewards).view(len(examples), s.group_size)).flatten()  # [P·G]
     traces = [common.make_trace(examples[k // s.group_size].uid, ctx, y, eos)
               for k, (ctx, y) in enumerate(zip(contexts, completions))]

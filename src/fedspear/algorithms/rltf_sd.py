@@ -59,7 +59,7 @@ def client_round(worker, examples: Sequence[Example], *, lr: float, seed: int,
     y0 = common.sample(worker, x0, counters, "initial")
     ex_of = [examples[k // n] for k in range(p * n)]
     r0 = [float(feedback.is_correct(ex, common.text(worker, y))) for ex, y in zip(ex_of, y0)]
-    counters["initial_correct"] = sum(r0)
+    counters["initial_correct"], counters["initial_samples"] = sum(r0), len(r0)
     wrong = [k for k in range(p * n) if r0[k] == 0.0]
     x1, y1, r1 = list(x0), list(y0), list(r0)  # early termination: y1 := y0 for correct samples
     if wrong:

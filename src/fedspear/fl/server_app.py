@@ -24,14 +24,14 @@ from fedspear.evaluation import evaluate
 from fedspear.fl.strategy import WinWeightedFedAvg, from_record, to_record
 from fedspear.model import LoraSettings, add_lora, get_adapter, load_base, set_adapter
 from fedspear.report import write_report
-from fedspear.rundir import RunDir
+from fedspear.rundir import RunDir, initial_accuracy
 from fedspear.server_opt import arrays_to_state, state_to_arrays
 from fedspear.tasks import get_task
 from fedspear.training import lr_at_round
 
 log = logging.getLogger("fedspear")
 
-COUNTERS = ("prompts", "initial_correct", "revisions_attempted", "revisions_successful", "num-wins", "num-losses",
+COUNTERS = ("prompts", "initial_samples", "initial_correct", "revisions_attempted", "revisions_successful", "num-wins", "num-losses",
             "weight", "generations", "tokens_generated", "skipped_nonfinite", "active_tokens", "lose_used", "steps")
 
 
@@ -142,7 +142,7 @@ def _round_record(server_round: int, lr: float, replies, aggregated: bool, rejec
         **{k.replace("-", "_"): v for k, v in total.items()},
         "wins": total["num-wins"],
         "losses": total["num-losses"],
-        "initial_accuracy": total["initial_correct"] / total["prompts"] if total["prompts"] else None,
+        "initial_accuracy": None,  # set below from the counters (first answers, not prompts: GRPO samples groups)
         **{key: _mean_of(trained, key) for key in LOSS_TERMS},
         "margin": float(np.mean(margins)) if margins else None,
         "seconds": {
@@ -154,6 +154,7 @@ def _round_record(server_round: int, lr: float, replies, aggregated: bool, rejec
         "clients": clients,
     }
     del record["num_wins"], record["num_losses"]
+    record["initial_accuracy"] = initial_accuracy(record)
     return record
 
 

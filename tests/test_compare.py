@@ -12,7 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from fedspear.compare import PRESETS, Grid, item_mean_ci, load_grid, mean_std, paired_ci, paired_gain
+from fedspear.compare import (PRESETS, Grid, item_mean_ci, item_paired_diff, load_grid, mean_std, paired_ci,
+                              paired_gain)
 from fedspear.config import ConfigError
 
 
@@ -96,6 +97,18 @@ def test_item_paired_gain_and_accuracy_interval_by_hand():
             paired_gain(before, after)
 
 
+def test_item_paired_difference_between_two_algorithms_by_hand():
+    """SPEAR "1100", "1010" against a baseline "0100", "1011" (seeds 0, 1): per-seed item differences (1, 0, 0, 0)
+    and (0, 0, 0, −1) → item means (½, 0, 0, −½): mean 0, sd √(0.5 / 3) = 0.408248, half-width 1.959964 · sd / 2."""
+    assert item_paired_diff(["1100", "1010"], ["0100", "1011"]) == pytest.approx((0.0, -0.400076, 0.400076),
+                                                                                 abs=1e-6)
+    assert item_paired_diff(["1100"], ["0100"]) == pytest.approx((0.25, 0.25 - 0.489991, 0.25 + 0.489991), abs=1e-6)
+    with pytest.raises(ValueError, match="seed by seed"):
+        item_paired_diff(["1100", "1010"], ["0100"])
+    with pytest.raises(ValueError, match="same items"):
+        item_paired_diff(["1100"], ["010"])
+
+
 @pytest.mark.slow
 def test_compare_two_cells_end_to_end_and_resume(tmp_path):
     """The tiny preset (SPEAR and GRPO, 1 round each) through the CLI: comparison.md, comparison.json and the plots;
@@ -118,6 +131,12 @@ def test_compare_two_cells_end_to_end_and_resume(tmp_path):
     assert {k: v for k, v in round0["eval"].items() if k not in ("reused_from",)} == spear0["eval"]
     grpo_round = json.loads((grpo_cell / "metrics.jsonl").read_text().splitlines()[1])
     assert grpo_round["generations"] == 2 * 4 and grpo_round["weight"] == 2  # G = 4 per prompt, weight = prompts
+    assert grpo_round["initial_samples"] == 8 and 0 <= grpo_round["initial_accuracy"] <= 1
+    # SPEAR − GRPO with an interval over the shared evaluation items (one seed: none over seeds)
+    assert "95% CI over items" in text
+    diffs = {d["metric"]: d for d in data["table"]["spear_minus"]}
+    assert diffs["acc_ll"]["pairs"] == 1 and diffs["acc_ll"]["item_low"] <= diffs["acc_ll"]["diff"] \
+        <= diffs["acc_ll"]["item_high"]
 
     again = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
     assert again.returncode == 0, again.stderr[-3000:]

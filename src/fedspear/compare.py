@@ -325,9 +325,27 @@ def paired_gain(before: str, after: list[str], z: float = 1.959964) -> tuple[flo
     Raises:
         ValueError: as :func:`item_mean_ci`, including ``before`` of another length.
     """
-    base = [int(c) for c in _check_outcomes(before, [before, *after])]
-    rows = [[int(c) for c in _check_outcomes(o, [before, *after])] for o in after]
-    return _items_ci([[v - b for v, b in zip(row, base)] for row in rows], z)
+    _check_outcomes(before, [before, *after])
+    return item_paired_diff(after, [before] * len(after), z)
+
+
+def item_paired_diff(a: list[str], b: list[str], z: float = 1.959964) -> tuple[float, float, float]:
+    """Accuracy of runs ``a`` minus runs ``b`` on the same items, ``a[s]`` paired with ``b[s]`` (same seed: same
+    partition, prompts and evaluation items) and item by item, with a 95% normal interval over items →
+    ``(diff, low, high)`` (fractions).
+
+    Item i contributes d_i = mean over s of a_s[i] − b_s[i]; diff = mean d_i, interval diff ± z · sd(d) / √n. With
+    one or two seeds this is the only interval available; it covers the choice of questions, not of seeds.
+
+    Raises:
+        ValueError: ``a`` and ``b`` of different lengths, or outcomes as in :func:`item_mean_ci`.
+    """
+    if len(a) != len(b):
+        raise ValueError(f"item_paired_diff: {len(a)} runs against {len(b)}; pair them seed by seed")
+    group = [*a, *b]
+    rows = [[int(x) - int(y) for x, y in zip(_check_outcomes(sa, group), _check_outcomes(sb, group))]
+            for sa, sb in zip(a, b)]
+    return _items_ci(rows, z)
 
 
 def _check_outcomes(outcome: str, group: list[str]) -> str:
@@ -443,29 +461,41 @@ def summarise(grid: Grid, output: Path, command: str = "", started: str = "") ->
     if "spear" in grid.algorithms and len(grid.algorithms) > 1:
         lines += ["## SPEAR minus each baseline", "",
                   "Difference in final accuracy (percentage points), paired by task and seed (same partition, "
-                  "prompts and evaluation items), mean with a 95% t interval over the pairs.", "",
-                  "| Metric | Task | Variant | Baseline | Δ (pp) | 95% CI | pairs |", "|---|---|---|---|---|---|---|"]
+                  "prompts and evaluation items), mean with a 95% t interval over the pairs; and a 95% interval "
+                  "over the evaluated items, each item paired with itself (`item_paired_diff`: how much Δ would move "
+                  "on other questions, not with other seeds).", "",
+                  "| Metric | Task | Variant | Baseline | Δ (pp) | 95% CI over seeds | 95% CI over items | pairs |",
+                  "|---|---|---|---|---|---|---|---|"]
         diffs_out = []
         for key in metric_keys:
             for task in grid.tasks:
                 for variant in variants:
-                    spear = {r["seed"]: r["acc"][key] for r in rows if r["task"] == task and r["variant"] == variant
-                             and r["algorithm"] == "spear" and r["acc"].get(key) is not None}
+                    spear_rows = {r["seed"]: r for r in rows if r["task"] == task and r["variant"] == variant
+                                  and r["algorithm"] == "spear" and r["acc"].get(key) is not None}
+                    spear = {s: r["acc"][key] for s, r in spear_rows.items()}
                     for algorithm in grid.algorithms:
                         if algorithm == "spear":
                             continue
-                        other = {r["seed"]: r["acc"][key] for r in rows if r["task"] == task
-                                 and r["variant"] == variant and r["algorithm"] == algorithm
-                                 and r["acc"].get(key) is not None}
+                        other_rows = {r["seed"]: r for r in rows if r["task"] == task
+                                      and r["variant"] == variant and r["algorithm"] == algorithm
+                                      and r["acc"].get(key) is not None}
+                        other = {s: r["acc"][key] for s, r in other_rows.items()}
                         seeds = sorted(set(spear) & set(other))
                         if not seeds:
                             continue
                         m, lo, hi = paired_ci([spear[s] - other[s] for s in seeds])
                         ci = "–" if math.isnan(lo) else f"[{100 * lo:+.2f}, {100 * hi:+.2f}]"
+                        a = [spear_rows[s].get("outcomes", {}).get(key) for s in seeds]
+                        b = [other_rows[s].get("outcomes", {}).get(key) for s in seeds]
+                        item = (math.nan,) * 3
+                        if all(a) and all(b) and len({len(o) for o in a + b}) == 1:
+                            item = item_paired_diff(a, b)
+                        item_ci = "–" if math.isnan(item[1]) else f"[{100 * item[1]:+.2f}, {100 * item[2]:+.2f}]"
                         lines.append(f"| {key} | {task} | {variant or '–'} | {NAMES.get(algorithm, algorithm)} | "
-                                     f"{100 * m:+.2f} | {ci} | {len(seeds)} |")
+                                     f"{100 * m:+.2f} | {ci} | {item_ci} | {len(seeds)} |")
                         diffs_out.append({"metric": key, "task": task, "variant": variant, "baseline": algorithm,
-                                          "diff": m, "low": lo, "high": hi, "pairs": len(seeds)})
+                                          "diff": m, "low": lo, "high": hi, "pairs": len(seeds),
+                                          "item_low": item[1], "item_high": item[2]})
         table["spear_minus"] = diffs_out
         lines.append("")
     gain_lines, gains = gain_table(grid, rows, variants, metric_keys)

@@ -472,18 +472,16 @@ def summarise(grid: Grid, output: Path, command: str = "", started: str = "") ->
                 for variant in variants:
                     spear_rows = {r["seed"]: r for r in rows if r["task"] == task and r["variant"] == variant
                                   and r["algorithm"] == "spear" and r["acc"].get(key) is not None}
-                    spear = {s: r["acc"][key] for s, r in spear_rows.items()}
                     for algorithm in grid.algorithms:
                         if algorithm == "spear":
                             continue
                         other_rows = {r["seed"]: r for r in rows if r["task"] == task
                                       and r["variant"] == variant and r["algorithm"] == algorithm
                                       and r["acc"].get(key) is not None}
-                        other = {s: r["acc"][key] for s, r in other_rows.items()}
-                        seeds = sorted(set(spear) & set(other))
+                        seeds = sorted(set(spear_rows) & set(other_rows))
                         if not seeds:
                             continue
-                        m, lo, hi = paired_ci([spear[s] - other[s] for s in seeds])
+                        m, lo, hi = paired_ci([spear_rows[s]["acc"][key] - other_rows[s]["acc"][key] for s in seeds])
                         ci = "–" if math.isnan(lo) else f"[{100 * lo:+.2f}, {100 * hi:+.2f}]"
                         a = [spear_rows[s].get("outcomes", {}).get(key) for s in seeds]
                         b = [other_rows[s].get("outcomes", {}).get(key) for s in seeds]

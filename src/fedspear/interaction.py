@@ -49,8 +49,9 @@ class Trace:
 class InteractionResult:
     """Win set, lose set and the counters of SPEC §6 for one client-round.
 
-    ``counters`` keys: prompts, initial_samples (= prompts here), initial_correct, revisions_attempted,
-    revisions_successful, generations, tokens_generated (all ints), seconds_generate_initial, seconds_generate_revisions (floats, seconds).
+    ``counters`` keys (:func:`new_counters`): prompts, initial_samples (= prompts here), initial_correct,
+    revisions_attempted, revisions_successful, generations, tokens_generated (all ints), seconds_generate_initial,
+    seconds_generate_revisions (floats, seconds).
     """
 
     wins: list[Trace] = field(default_factory=list)
@@ -70,6 +71,14 @@ def render(tokenizer, turns: Sequence[str]) -> list[int]:
             ids = ids["input_ids"]
         return list(ids)
     return tokenizer("\n\n".join(turns) + "\n\n", add_special_tokens=True)["input_ids"]
+
+
+def new_counters(prompts: int) -> dict[str, float]:
+    """The counters every algorithm reports (SPEC §6), zeroed; ``initial_samples`` starts at one per prompt
+    (GRPO and RLTF-SD overwrite it with their group samples)."""
+    return dict(prompts=prompts, initial_samples=prompts, initial_correct=0, revisions_attempted=0,
+                revisions_successful=0, generations=0, tokens_generated=0, seconds_generate_initial=0.0,
+                seconds_generate_revisions=0.0)
 
 
 def shared_prefix_length(contexts: Sequence[Sequence[int]]) -> int:
@@ -192,10 +201,7 @@ def interact(
     eos = tokenizer.eos_token_id
     torch.manual_seed(seed)
     result = InteractionResult()
-    counters = dict(
-        prompts=len(examples), initial_samples=len(examples), initial_correct=0, revisions_attempted=0,
-        revisions_successful=0, generations=0, tokens_generated=0, seconds_generate_initial=0.0, seconds_generate_revisions=0.0,
-    )
+    counters = new_counters(len(examples))
     prompts = [task.prompt(ex) for ex in examples]
     c0 = [render(tokenizer, [p]) for p in prompts]
 

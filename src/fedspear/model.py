@@ -293,20 +293,17 @@ def load_base(model: str = DEFAULT_MODEL, dtype: str = "auto"):
     dtype_used = resolve_dtype(dtype)
     if model == TINY_MODEL:
         base, tokenizer = tiny_model()
-        if dtype_used == "bf16":
-            store_linear_weights_bf16(base)
-        use_decode_attention(base)
-        return base, tokenizer, dtype_used
-    where = resolve_model_dir(model)
-    try:
-        tokenizer = AutoTokenizer.from_pretrained(where)
-        base = AutoModelForCausalLM.from_pretrained(where, dtype=torch.float32)
-    except OSError as err:
-        raise ModelError(f"could not load model '{model}' from {where}: {err}") from None
-    tokenizer.padding_side = "left"
-    if tokenizer.pad_token is None:
-        tokenizer.pad_token = tokenizer.eos_token
-    base.generation_config.pad_token_id = tokenizer.pad_token_id
+    else:
+        where = resolve_model_dir(model)
+        try:
+            tokenizer = AutoTokenizer.from_pretrained(where)
+            base = AutoModelForCausalLM.from_pretrained(where, dtype=torch.float32)
+        except OSError as err:
+            raise ModelError(f"could not load model '{model}' from {where}: {err}") from None
+        tokenizer.padding_side = "left"
+        if tokenizer.pad_token is None:
+            tokenizer.pad_token = tokenizer.eos_token
+        base.generation_config.pad_token_id = tokenizer.pad_token_id
     if dtype_used == "bf16":
         store_linear_weights_bf16(base)
     use_decode_attention(base)

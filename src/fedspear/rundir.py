@@ -27,6 +27,7 @@ import numpy as np
 
 from .config import ConfigError, RunConfig, load_config
 
+
 def initial_samples(record: dict[str, Any]) -> int:
     """How many first answers a round's ``initial_correct`` counts: one per prompt for SPEAR, Feedback SFT and OPSD,
     a group per prompt for GRPO and RLTF-SD. Read from the ``initial_samples`` counter; records written before it

@@ -11,19 +11,13 @@ from typing import Sequence
 
 import torch
 
-from ..interaction import Trace, generate, render
+from ..interaction import Trace, generate, new_counters, render
 from ..tasks.base import Example
 from ..training import TrainSettings, completion_logprobs, optimise, pack
 
 
 def pad_id(tokenizer) -> int:
     return tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
-
-
-def new_counters(prompts: int) -> dict[str, float]:
-    """The counters every algorithm reports (SPEC §6), zeroed."""
-    return dict(prompts=prompts, initial_samples=prompts, initial_correct=0, revisions_attempted=0, revisions_successful=0, generations=0,
-                tokens_generated=0, seconds_generate_initial=0.0, seconds_generate_revisions=0.0)
 
 
 def sample(worker, contexts: Sequence[list[int]], counters: dict, phase: str) -> list[list[int]]:

@@ -31,8 +31,8 @@ from fedspear.training import lr_at_round
 
 log = logging.getLogger("fedspear")
 
-COUNTERS = ("prompts", "initial_samples", "initial_correct", "revisions_attempted", "revisions_successful", "num-wins", "num-losses",
-            "weight", "generations", "tokens_generated", "skipped_nonfinite", "active_tokens", "lose_used", "steps")
+COUNTERS = ("prompts", "initial_samples", "initial_correct", "revisions_attempted", "revisions_successful", "num-wins",
+            "num-losses", "weight", "generations", "tokens_generated", "skipped_nonfinite", "active_tokens", "lose_used", "steps")
 
 
 class Evaluator:
@@ -142,7 +142,7 @@ def _round_record(server_round: int, lr: float, replies, aggregated: bool, rejec
         **{k.replace("-", "_"): v for k, v in total.items()},
         "wins": total["num-wins"],
         "losses": total["num-losses"],
-        "initial_accuracy": None,  # set below from the counters (first answers, not prompts: GRPO samples groups)
+        "initial_accuracy": initial_accuracy(total),  # over first answers, not prompts: GRPO samples groups
         **{key: _mean_of(trained, key) for key in LOSS_TERMS},
         "margin": float(np.mean(margins)) if margins else None,
         "seconds": {
@@ -154,7 +154,6 @@ def _round_record(server_round: int, lr: float, replies, aggregated: bool, rejec
         "clients": clients,
     }
     del record["num_wins"], record["num_losses"]
-    record["initial_accuracy"] = initial_accuracy(record)
     return record
 
 

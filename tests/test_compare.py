@@ -155,3 +155,52 @@ def test_compare_two_cells_end_to_end_and_resume(tmp_path):
 
     other = subprocess.run(cmd + ["--seeds", "5"], capture_output=True, text=True, timeout=600)
     assert other.returncode == 2 and "holds another grid" in other.stderr
+
+
+def test_paper_grid_gives_each_cell_its_tables_values(tmp_path):
+    """``compare --preset paper``: 4 tasks × 5 algorithms × 3 seeds, each cell with its own table's values."""
+    from fedspear.paper_settings import paper_settings
+
+    grid = PRESETS["paper"]
+    cells = grid.cells(tmp_path)
+    assert len(cells) == 4 * 5 * 3
+    for cell in cells:
+        cfg = cell.config
+        for key, value in paper_settings(cell.task, cell.algorithm).items():
+            assert getattr(cfg, key) == value, (cell.name, key)
+    by_name = {c.name: c.config for c in cells}
+    assert by_name["strategy_qa-grpo-s0"].kl_beta == 0.1 and by_name["strategy_qa-spear-s0"].lr_min == 5e-5
+    assert by_name["arc_challenge-opsd-s1"].batch_size == 16 and by_name["arc_challenge-grpo-s1"].batch_size == 4
+    # a --set lands in base and overrides the tables
+    grid2 = Grid(**{**grid.to_dict(), "base": {"rounds": 1}})
+    assert all(c.config.rounds == 1 for c in grid2.cells(tmp_path))
+    assert load_grid_roundtrip(grid, tmp_path).to_dict() == grid.to_dict()
+
+
+def load_grid_roundtrip(grid: Grid, tmp_path: Path) -> Grid:
+    from fedspear.compare import grid_toml
+
+    path = tmp_path / "grid.toml"
+    path.write_text(grid_toml(grid), encoding="utf-8")
+    return load_grid(path)
+
+
+def test_a_grid_toml_written_before_the_partitioner_key_matches_its_preset(tmp_path, monkeypatch):
+    """The committed cpu-qwen1.5b grid.toml has no ``partitioner``: it ran under the old rule, which the preset now
+    pins, so resuming or extending it is allowed; a grid under the new default is refused."""
+    import fedspear.compare as compare_module
+
+    committed = Path(__file__).resolve().parents[1] / "docs" / "results" / "cpu-qwen1.5b" / "grid.toml"
+    out = tmp_path / "grid"
+    out.mkdir()
+    (out / "grid.toml").write_text(committed.read_text(encoding="utf-8"), encoding="utf-8")
+    grid = Grid(**{**PRESETS["cpu-qwen1.5b"].to_dict(), "seeds": [0, 1]})
+    assert grid.base["partitioner"] == "dirichlet"
+    calls = []
+    monkeypatch.setattr(compare_module.subprocess, "call", lambda *a, **k: calls.append(a) or 1)
+    with pytest.raises(RuntimeError, match="failed"):
+        compare_module.run_grid(grid, out)  # the grid check passed: it went on to (fail to) run the first cell
+    assert len(calls) == 1
+    newer = Grid(**{**grid.to_dict(), "base": {**grid.base, "partitioner": "inner_dirichlet"}})
+    with pytest.raises(ConfigError, match="another grid"):
+        compare_module.run_grid(newer, out)

@@ -1,29 +1,99 @@
-"""Dirichlet partition over the gold label (flwr-datasets): complete, disjoint, deterministic, skewed for small α."""
+"""The client split (fedspear.fl.partition): complete, disjoint, deterministic, skewed for small α, and feasible at the
+paper's federations — 50 clients Dir(1.0) and the appendix's 100 clients Dir(0.3) — on every task's shipped train
+split and on the full copies in shared/data, for seeds 0–4."""
 
 from __future__ import annotations
 
-import numpy as np
+from pathlib import Path
 
-from fedspear.fl.partition import dirichlet_partitions
-from fedspear.tasks import arc_challenge
+import numpy as np
+import pytest
+
+from fedspear.fl.partition import PartitionError, dirichlet_partitions, partition_summary
+from fedspear.tasks import TASKS, arc_challenge
+
+SHARED_DATA = Path(__file__).resolve().parents[2] / "shared" / "data"
 
 
 def test_partition_is_complete_disjoint_and_deterministic():
     items = arc_challenge.load("train")
-    parts = dirichlet_partitions(items, 10, alpha=1.0, seed=3)
-    flat = [i for p in parts for i in p]
-    assert sorted(flat) == list(range(len(items)))
-    assert parts == dirichlet_partitions(items, 10, alpha=1.0, seed=3)
-    assert parts != dirichlet_partitions(items, 10, alpha=1.0, seed=4)
+    for rule in ("inner_dirichlet", "dirichlet"):
+        parts = dirichlet_partitions(items, 10, alpha=1.0, seed=3, partitioner=rule)
+        flat = [i for p in parts for i in p]
+        assert sorted(flat) == list(range(len(items)))
+        assert parts == dirichlet_partitions(items, 10, alpha=1.0, seed=3, partitioner=rule)
+        assert parts != dirichlet_partitions(items, 10, alpha=1.0, seed=4, partitioner=rule)
 
 
-def test_small_alpha_skews_label_proportions():
+@pytest.mark.parametrize("rule", ["inner_dirichlet", "dirichlet"])
+def test_small_alpha_skews_label_proportions(rule):
     items = arc_challenge.load("train")
+
     def spread(alpha):
-        parts = dirichlet_partitions(items, 5, alpha=alpha, seed=0)
+        parts = dirichlet_partitions(items, 5, alpha=alpha, seed=0, partitioner=rule)
         shares = []
         for p in parts:
             labels = [items[i].gold_index for i in p]
             shares.append(max(np.bincount(labels, minlength=5)) / max(1, len(labels)))
         return float(np.mean(shares))
-    assert spread(0.1) > spread(100.0)
+
+    assert spread(0.1) > spread(100.0) + 0.1
+
+
+def _sources():
+    out = [(name, None) for name in sorted(TASKS)]
+    out += [(name, str(SHARED_DATA)) for name in sorted(TASKS)]
+    return out
+
+
+@pytest.mark.parametrize("task,data_dir", _sources(), ids=lambda v: "full" if v == str(SHARED_DATA) else str(v))
+def test_paper_federations_partition_every_task_for_seeds_0_to_4(task, data_dir):
+    """50 clients Dir(1.0) and 100 clients Dir(0.3): every client gets ⌊n/K⌋ or ⌈n/K⌉ items (≥ 10 on every split
+    here), all items used once. The 'dirichlet' rule, the one before 2026-11-25, fails on the shipped ARC split."""
+    if data_dir and not Path(data_dir).is_dir():
+        pytest.skip(f"{data_dir} not present (shared/ is beside the checkout in CI)")
+    module = TASKS[task]
+    items = module.load(module.TRAIN_SPLIT, data_dir=data_dir)
+    n = len(items)
+    for clients, alpha in ((50, 1.0), (100, 0.3)):
+        for seed in range(5):
+            parts = dirichlet_partitions(items, clients, alpha, seed)
+            sizes = sorted(len(p) for p in parts)
+            assert sizes[0] == n // clients and sizes[-1] == -(-n // clients), (clients, alpha, seed, sizes[:3])
+            assert sizes[0] >= 10
+            assert sorted(i for p in parts for i in p) == list(range(n))
+
+
+def test_the_old_rule_fails_at_50_clients_with_a_message_naming_the_fix():
+    items = arc_challenge.load("train")
+    with pytest.raises(PartitionError, match="inner_dirichlet"):
+        dirichlet_partitions(items, 50, 1.0, 0, partitioner="dirichlet")
+    with pytest.raises(PartitionError, match="cannot be split"):
+        dirichlet_partitions(items[:5], 6, 1.0, 0)
+    with pytest.raises(ValueError, match="partitioner must be one of"):
+        dirichlet_partitions(items, 5, 1.0, 0, partitioner="iid")
+
+
+def test_the_old_rule_is_flwr_datasets_dirichlet_partitioner_as_before():
+    """'dirichlet' is exactly DirichletPartitioner(min_partition_size = min(10, n // 2K)) over the gold label, so
+    runs made before 2026-11-25 (cpu-small, cpu-qwen1.5b) get the same clients' data."""
+    from datasets import Dataset
+    from flwr_datasets.partitioner import DirichletPartitioner
+
+    items = arc_challenge.load("train")
+    part = DirichletPartitioner(num_partitions=10, partition_by="label", alpha=1.0, min_partition_size=10,
+                                self_balancing=False, shuffle=True, seed=1)
+    part.dataset = Dataset.from_dict({"idx": list(range(len(items))), "label": [x.gold_index for x in items]})
+    expected = [list(part.load_partition(i)["idx"]) for i in range(10)]
+    assert dirichlet_partitions(items, 10, 1.0, 1, partitioner="dirichlet") == expected
+
+
+def test_partition_summary_counts_sizes_and_labels():
+    items = arc_challenge.load("train")[:200]
+    parts = dirichlet_partitions(items, 7, 0.5, 2)
+    summary = partition_summary(items, parts)
+    assert summary["sizes"] == [len(p) for p in parts] and sum(summary["sizes"]) == 200
+    assert [sum(row) for row in summary["label_counts"]] == summary["sizes"]
+    golds = [items[i].gold for i in parts[3]]
+    assert summary["label_counts"][3] == [golds.count(label) for label in summary["labels"]]
+    assert summary["min"] == min(summary["sizes"]) and summary["max"] == max(summary["sizes"])

@@ -72,6 +72,10 @@ def preflight(cfg: RunConfig) -> None:
     n = min(len(train), cfg.train_size) if cfg.train_size else len(train)
     if n < cfg.num_clients:
         raise ConfigError(f"num_clients = {cfg.num_clients} exceeds the {n} train examples")
+    from .fl.partition import dirichlet_partitions
+
+    # every client computes this split; an impossible one must stop the run here, not inside each client's round
+    dirichlet_partitions(train[:n], cfg.num_clients, cfg.dirichlet_alpha, cfg.seed, cfg.partitioner)
     if cfg.model != TINY_MODEL:
         resolve_model_dir(cfg.model)
     run = RunDir(cfg.output_dir)
@@ -82,6 +86,8 @@ def preflight(cfg: RunConfig) -> None:
 @app.command()
 def run(
     config: Optional[Path] = typer.Option(None, "--config", "-c", help="TOML file with any run keys"),
+    preset: Optional[str] = typer.Option(None, help="paper: the paper's appendix tables for the task and algorithm "
+                                         "(fedspear.paper_settings); --config, flags and --set override it"),
     task: Optional[str] = typer.Option(None, help="arc_challenge | hellaswag | strategy_qa | math_mcqa"),
     rounds: Optional[int] = typer.Option(None, help="FL rounds"),
     clients: Optional[int] = typer.Option(None, "--clients", help="number of simulated clients"),
@@ -115,7 +121,7 @@ def run(
     overrides.update(_parse_set(set_))
     logging.basicConfig(level=logging.INFO if verbose else logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     try:
-        cfg = load_config(config, **overrides)
+        cfg = load_config(config, preset=preset, **overrides)
         preflight(cfg)
     except (ConfigError, DataError, ModelError, RunDirError, ValueError) as err:
         _fail(str(err))
@@ -126,8 +132,9 @@ def _run(cfg: RunConfig, verbose: bool) -> None:
     from rich.console import Console
     from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
+    from .fl.partition import PartitionError
     from .model import ModelError, resolve_dtype
-    from .rundir import RunDir, RunDirError, initial_accuracy
+    from .rundir import EmptyRoundError, RunDir, RunDirError, initial_accuracy
     from .tasks.base import DataError
 
     console = Console(stderr=True)
@@ -152,6 +159,9 @@ def _run(cfg: RunConfig, verbose: bool) -> None:
             if record["round"] == 0:
                 progress.console.print(f"round 0 (before training): {acc}  [{ev.get('n', 0)} held-out items]")
                 return
+            if record.get("empty"):
+                progress.console.print(f"[yellow]round {record['round']}: no client reply accepted (nodes dropped out; "
+                                       f"tolerated by max_empty_rounds = {cfg.max_empty_rounds}); adapter kept[/]")
             progress.console.print(
                 f"round {record['round']}: wins {record['wins']} losses {record['losses']} revisions "
                 f"{record['revisions_successful']}/{record['revisions_attempted']} initial acc "
@@ -166,8 +176,11 @@ def _run(cfg: RunConfig, verbose: bool) -> None:
 
             try:
                 simulate(cfg, on_round=on_round, verbose=verbose)
-            except (ConfigError, DataError, ModelError, RunDirError) as err:
+            except (ConfigError, DataError, ModelError, RunDirError, PartitionError) as err:
                 _fail(str(err))
+            except EmptyRoundError as err:
+                typer.secho(f"error: {err}", fg="red", err=True)
+                raise typer.Exit(code=1) from None
     records = RunDir(cfg.output_dir).records()
     first = next(r for r in records if r["round"] == 0)["eval"]
     last = next(r for r in reversed(records) if r.get("eval"))
@@ -181,7 +194,7 @@ def _run(cfg: RunConfig, verbose: bool) -> None:
 
 @app.command()
 def compare(
-    preset: Optional[str] = typer.Option(None, help="a built-in grid: cpu-small | cpu-qwen1.5b | tiny"),
+    preset: Optional[str] = typer.Option(None, help="a built-in grid: cpu-small | cpu-qwen1.5b | paper | tiny"),
     grid_file: Optional[Path] = typer.Option(None, "--grid", help="TOML grid (tasks, algorithms, seeds, [axes], [base])"),
     tasks: Optional[str] = typer.Option(None, help="comma-separated tasks (overrides the preset's)"),
     algorithms: Optional[str] = typer.Option(None, help="comma-separated algorithms (overrides the preset's)"),

@@ -53,17 +53,29 @@ def load_train_examples(cfg: RunConfig) -> list[Example]:
 
 
 def round_prompts(partition: Sequence[int], cfg: RunConfig, partition_id: int, server_round: int) -> list[int]:
-    """The ``rollouts_per_round`` indices a client answers in ``server_round``: its private stream.
+    """The indices a client answers in ``server_round``: the next stretch of its private prompt stream.
 
     The stream is a seeded permutation of the client's partition, read in order round after round and wrapping
-    around (an evolving stream of prompts, SPEC §1). Empty partition → empty list.
+    around from one round to the next (an evolving stream of prompts, SPEC §1).
+
+    **Decision (2026-11-25, issue 16): no item twice in one client-round.** A round takes
+    k = min(``rollouts_per_round``, |D_k|) prompts, so with fewer items than rollouts each item is asked once,
+    as the authors' code caps rollouts at min(|D_k|, steps). Asking the same prompt several times in a round (what
+    the wrap-around did before: 7–8 times per round at the paper's 80–160 rollouts and ≈ 22 ARC items per client
+    at 50 clients) inflates |W|, the aggregation weight, and over-trains those items. ``repeat_prompts = true``
+    restores the old rule (k = ``rollouts_per_round``, wrapping within the round). When k = ``rollouts_per_round``
+    both rules give the same prompts.
+
+    Returns:
+        k indices into the train split, distinct unless ``cfg.repeat_prompts``; ``[]`` for an empty partition.
     """
     if not partition:
         return []
     order = list(partition)
     random.Random(derived_seed(cfg.seed, "stream", partition_id)).shuffle(order)
-    start = (server_round - 1) * cfg.rollouts_per_round
-    return [order[(start + i) % len(order)] for i in range(cfg.rollouts_per_round)]
+    k = cfg.rollouts_per_round if cfg.repeat_prompts else min(cfg.rollouts_per_round, len(order))
+    start = (server_round - 1) * k
+    return [order[(start + i) % len(order)] for i in range(k)]
 
 
 def peak_rss_mb() -> float:

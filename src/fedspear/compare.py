@@ -29,7 +29,10 @@ from pathlib import Path
 from typing import Any, Callable
 
 from .config import ALGORITHMS, ConfigError, RunConfig, load_config, read_toml
-from .rundir import RunDir, initial_accuracy, initial_samples
+from .paper_settings import PRESETS as RUN_PRESETS, preset_settings
+from .rundir import LEGACY_DEFAULTS, RunDir, initial_accuracy, initial_samples
+
+PARTITIONER_DEFAULT = RunConfig.__dataclass_fields__["partitioner"].default
 
 # the settings the paper's ablations and robustness studies vary (SPEC §5, issue "compare"); "centralized" is
 # shorthand for one client holding all the data
@@ -52,6 +55,8 @@ class Grid:
         base: settings every cell shares (any ``RunConfig`` key; ``task``/``algorithm``/``seed``/``output_dir``
             are set per cell).
         per_task: settings for one task's cells only, ``{task: {key: value}}`` (applied after ``base``).
+        settings: ``"paper"`` gives each cell the paper's appendix-table values for its task and algorithm
+            (``fedspear.paper_settings``) under ``base`` and ``per_task``; ``""`` (default) none.
         note: free text printed at the top of comparison.md (a preset's rationale).
     """
 
@@ -61,6 +66,7 @@ class Grid:
     axes: dict[str, list[Any]] = field(default_factory=dict)
     base: dict[str, Any] = field(default_factory=dict)
     per_task: dict[str, dict[str, Any]] = field(default_factory=dict)
+    settings: str = ""
     note: str = ""
 
     def __post_init__(self) -> None:
@@ -81,6 +87,8 @@ class Grid:
             if reserved:
                 raise ConfigError(f"grid: {where} may not set {', '.join(sorted(reserved))} (the grid sets them per "
                                   f"cell)")
+        if self.settings not in ("", *RUN_PRESETS):
+            raise ConfigError(f"grid: settings must be one of {', '.join(RUN_PRESETS)} (got {self.settings!r})")
         unknown = set(self.per_task) - set(self.tasks)
         if unknown:
             raise ConfigError(f"grid: per_task names task(s) not in tasks: {', '.join(sorted(unknown))}")
@@ -94,13 +102,17 @@ class Grid:
         for task, values, seed, algorithm in itertools.product(
             self.tasks, itertools.product(*(self.axes[k] for k in keys)), self.seeds, self.algorithms
         ):
+            preset = preset_settings(self.settings, task, algorithm) if self.settings else {}
             out.append(Cell(root, task, algorithm, seed, dict(zip(keys, values)),
-                            {**self.base, **self.per_task.get(task, {})}))
+                            {**preset, **self.base, **self.per_task.get(task, {})}))
         return out
 
     def to_dict(self) -> dict[str, Any]:
-        return {"tasks": self.tasks, "algorithms": self.algorithms, "seeds": self.seeds, "axes": self.axes,
-                "base": self.base, "per_task": self.per_task, "note": self.note}
+        out = {"tasks": self.tasks, "algorithms": self.algorithms, "seeds": self.seeds, "axes": self.axes,
+               "base": self.base, "per_task": self.per_task, "note": self.note}
+        if self.settings:  # only when set, so grid.toml files written before the key still match
+            out["settings"] = self.settings
+        return out
 
 
 @dataclass
@@ -157,7 +169,7 @@ _preset("cpu-small", Grid(
     algorithms=list(ALGORITHMS),
     seeds=[0, 1, 2],
     base=dict(rounds=2, num_clients=10, clients_per_round=2, rollouts_per_round=4, max_revisions=1,
-              local_steps=2, batch_size=4, lr=2e-4, eval_size=100, eval_every=2),
+              local_steps=2, batch_size=4, lr=2e-4, eval_size=100, eval_every=2, partitioner="dirichlet"),
     per_task={"strategy_qa": dict(max_new_tokens=64)},
     note=("Sized so all five algorithms × 3 seeds × 2 tasks (30 cells) finish in well under 2.5 h on a 2-core CPU "
           "with the packaged SmolLM2-135M-Instruct: 2 rounds × 2 of 10 clients × 4 prompts per client-round, one "
@@ -173,7 +185,7 @@ _preset("cpu-qwen1.5b", Grid(
     seeds=[0, 1],
     base=dict(model="qwen2.5-coder-1.5b", rounds=10, num_clients=10, clients_per_round=2, rollouts_per_round=4,
               max_revisions=1, local_steps=2, batch_size=4, lr=2e-4, eval_size=0, eval_gen_size=100,
-              eval_every=10),
+              eval_every=10, partitioner="dirichlet"),
     note=("Fidelity run on a model that can move (issue 7): the opt-in Qwen2.5-Coder-1.5B-Instruct (`fedspear models "
           "install qwen2.5-coder-1.5b`), ARC-Challenge, all five algorithms × 2 seeds (10 cells), sized for a few "
           "hours of a 2-core CPU (measured per client-round: SPEAR ≈ 26 s, GRPO ≈ 34 s, RLTF-SD ≈ 140 s). "
@@ -183,6 +195,17 @@ _preset("cpu-qwen1.5b", Grid(
           "revision, 2 local steps of batch 4 with gradient checkpointing (on by default above 1B parameters). "
           "That is 80 prompts and 40 client optimiser steps per run — about a hundredth of the paper's budget "
           "(100 rounds × 3 of 50 clients), so it measures first steps, not converged accuracy."),
+))
+
+_preset("paper", Grid(
+    tasks=["math_mcqa", "arc_challenge", "strategy_qa", "hellaswag"],
+    algorithms=list(ALGORITHMS),
+    seeds=[0, 1, 2],
+    settings="paper",
+    note=("The paper's own settings (appendix tables, Qwen2.5-1.5B; fedspear.paper_settings): 50 clients, "
+          "Dirichlet α = 1, 50–100 rounds of 3–5 clients, each algorithm's learning rate, batch × accumulation, "
+          "τ, G and β per task, 3 seeds. Pass the model with --set model=… . Sized for GPUs: on a 2-core CPU one "
+          "client-round of a 1.5B model takes minutes (docs/performance.md), the grid weeks."),
 ))
 
 _preset("tiny", Grid(
@@ -203,7 +226,7 @@ def load_grid(path: Path) -> Grid:
         ConfigError: the file is missing, not TOML, has unknown keys or an invalid cell.
     """
     data = read_toml(path, "grid file")
-    unknown = set(data) - {"tasks", "algorithms", "seeds", "axes", "base", "per_task", "note"}
+    unknown = set(data) - {"tasks", "algorithms", "seeds", "axes", "base", "per_task", "settings", "note"}
     if unknown:
         raise ConfigError(f"{path}: unknown grid key(s) {', '.join(sorted(unknown))}")
     try:
@@ -241,8 +264,11 @@ def run_grid(grid: Grid, output: Path, on_event: Callable[[str, Cell, float], No
     """
     output.mkdir(parents=True, exist_ok=True)
     saved = output / "grid.toml"
+    # grid.toml names the client split explicitly; one written before the key existed used the rule of then
+    grid = Grid(**{**grid.to_dict(), "base": {"partitioner": PARTITIONER_DEFAULT, **grid.base}})
     if saved.exists():
         old = load_grid(saved).to_dict()
+        old["base"] = {"partitioner": LEGACY_DEFAULTS["partitioner"], **old["base"]}
         if old != grid.to_dict():
             diff = sorted(k for k in old if old[k] != grid.to_dict()[k])
             raise ConfigError(f"{output} holds another grid (differs in: {', '.join(diff)}); use another "

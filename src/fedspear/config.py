@@ -50,8 +50,11 @@ class RunConfig:
     num_clients: int = field(default=10, metadata=_meta("simulated clients (paper 50; CPU default 10)", min=1, max=10000))
     clients_per_round: int = field(default=2, metadata=_meta("clients sampled each round (paper 3 for ARC; CPU default 2)", min=1))
     dirichlet_alpha: float = field(default=1.0, metadata=_meta("Dirichlet α of the label split (paper 1.0)", gt=0))
+    partitioner: str = field(default="inner_dirichlet", metadata=_meta("how the train split is divided (fedspear.fl.partition): inner_dirichlet (equal sizes, Dir(α) label mix per client; always feasible) or dirichlet (each label split over clients by Dir(α); fails at 50+ clients here; the rule before 2026-11-25)", choices=["inner_dirichlet", "dirichlet"]))
+    max_empty_rounds: int = field(default=0, metadata=_meta("consecutive rounds with no accepted reply tolerated when sampled nodes dropped out (no reply, node unavailable); a round whose failures are all errors raised by the clients always stops the run", min=0))
     # interaction (SPEC §2)
-    rollouts_per_round: int = field(default=16, metadata=_meta("prompts each client answers per round (CPU default 16)", min=1))
+    rollouts_per_round: int = field(default=16, metadata=_meta("prompts each client answers per round, at most its partition size unless repeat_prompts (CPU default 16)", min=1))
+    repeat_prompts: bool = field(default=False, metadata=_meta("let a client ask the same prompt more than once in one round when rollouts_per_round exceeds its partition (the rule before 2026-11-25)"))
     max_revisions: int = field(default=2, metadata=_meta("N, revision attempts per wrong answer (paper 2)", min=0, max=10))
     temperature: float = field(default=0.8, metadata=_meta("sampling temperature (paper 0.8)", gt=0, max=5))
     top_p: float = field(default=0.95, metadata=_meta("nucleus sampling p", gt=0, max=1))
@@ -188,11 +191,15 @@ def read_toml(path: Path, what: str) -> dict[str, Any]:
         raise ConfigError(f"{path}: not valid TOML ({err})") from None
 
 
-def load_config(path: str | Path | None = None, **overrides: Any) -> RunConfig:
-    """Build a ``RunConfig`` from an optional TOML file, then keyword overrides (``None`` overrides are ignored).
+def load_config(path: str | Path | None = None, preset: str | None = None, **overrides: Any) -> RunConfig:
+    """Build a ``RunConfig`` from a preset, an optional TOML file, then keyword overrides, each over the one before
+    (``None`` overrides are ignored).
 
+    Args:
+        preset: ``"paper"``: the paper's appendix tables for the chosen task and algorithm
+            (``fedspear.paper_settings``); the file and the overrides may still change any key.
     Raises:
-        ConfigError: the file is missing or not TOML, a key is unknown, or a value is invalid.
+        ConfigError: the file is missing or not TOML, a key is unknown, a value is invalid, or the preset is unknown.
     """
     values: dict[str, Any] = {}
     if path:
@@ -200,6 +207,15 @@ def load_config(path: str | Path | None = None, **overrides: Any) -> RunConfig:
         values = read_toml(path, "config file")
         values = values.get("fedspear", values)
     values.update({k: v for k, v in overrides.items() if v is not None})
+    if preset:
+        from .paper_settings import preset_settings
+
+        defaults = RunConfig.__dataclass_fields__
+        try:
+            values = {**preset_settings(preset, values.get("task", defaults["task"].default),
+                                        values.get("algorithm", defaults["algorithm"].default)), **values}
+        except ValueError as err:
+            raise ConfigError(f"--preset {preset}: {err}") from None
     known = {f.name for f in fields(RunConfig)}
     unknown = sorted(set(values) - known)
     if unknown:

@@ -110,6 +110,26 @@ def plot_run(path: Path, records: Sequence[dict]) -> list[Path]:
     return written
 
 
+def _partitions_line(path: Path, cfg: RunConfig) -> str:
+    """The clients' split as ``partitions.json`` records it (one line; empty when the file is absent)."""
+    import json
+
+    try:
+        parts = json.loads((path / "partitions.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return f"- client split: {cfg.partitioner}, Dirichlet α = {cfg.dirichlet_alpha}"
+    return (f"- client split: {parts['partitioner']}, Dirichlet α = {parts['dirichlet_alpha']}, "
+            f"{parts['train_items']} train items, {parts['min']}–{parts['max']} per client "
+            f"(mean {parts['mean']:.1f}; `partitions.json`)")
+
+
+def _empty_rounds_line(rounds: Sequence[dict]) -> str:
+    """A warning naming the rounds that accepted no reply and were tolerated (``max_empty_rounds``)."""
+    empty = [str(r["round"]) for r in rounds if r.get("empty")]
+    return (f"- **{len(empty)} round(s) accepted no client reply** (tolerated: max_empty_rounds; adapter kept): "
+            f"{', '.join(empty)}") if empty else ""
+
+
 def write_report(path: str | Path, records: Sequence[dict], cfg: RunConfig, dtype: str,
                  command: str | None = None) -> Path:
     """Write ``report.md`` and the plots for the run at ``path``; returns the report's path."""
@@ -131,6 +151,8 @@ def write_report(path: str | Path, records: Sequence[dict], cfg: RunConfig, dtyp
         f"{'wins' if cfg.algorithm in ('spear', 'feedback_sft') else 'prompts'}",
         f"- rounds {cfg.rounds}, clients {cfg.num_clients} ({cfg.clients_per_round} per round), "
         f"rollouts per client-round {cfg.rollouts_per_round}, max revisions N = {cfg.max_revisions}",
+        _partitions_line(path, cfg),
+        _empty_rounds_line(rounds),
         f"- μ = {cfg.mu}, τ = {cfg.tau}, λ_w = {cfg.lambda_w}, λ_l = {cfg.lambda_l}, lr = {cfg.lr} → "
         f"{cfg.lr_min}, {cfg.local_steps} local steps × batch {cfg.batch_size}, normalisation {cfg.normalization}",
         f"- compute dtype: **{dtype}**; held-out items evaluated: {first['eval']['n'] if first else '–'}"

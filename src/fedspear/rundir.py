@@ -6,6 +6,7 @@ Layout::
       config.toml              resolved run config (every key)
       metrics.jsonl            one JSON line per completed round (round 0 = evaluation before training)
       adapters/round_NNNN/     adapter_model.safetensors + adapter_config.json (loadable with peft)
+      partitions.json          the simulated clients' split: rule, α, seed, size and label counts per partition
       report.md, plots/*.png   written at the end (and on every resume)
 
 A round counts as completed when its metrics line is written; the adapter is written (atomically: temp folder,
@@ -25,7 +26,7 @@ from typing import Any
 
 import numpy as np
 
-from .config import ConfigError, RunConfig, load_config
+from .config import ConfigError, RunConfig, load_config, read_toml
 
 
 def initial_samples(record: dict[str, Any]) -> int:
@@ -54,7 +55,16 @@ class RunDirError(ValueError):
 
 
 # keys that may change between invocations without changing the experiment
-RESUME_FREE_KEYS = {"output_dir", "round_timeout", "data_dir", "round0_from"}
+RESUME_FREE_KEYS = {"output_dir", "round_timeout", "data_dir", "round0_from", "max_empty_rounds"}
+
+# Keys added with a default that differs from what runs did before them: a saved config.toml without the key was
+# made under the old behaviour, so resuming it under the new default must be refused, not silently mixed.
+LEGACY_DEFAULTS = {"partitioner": "dirichlet"}
+
+
+class EmptyRoundError(RuntimeError):
+    """A round accepted no client reply (SPEC §4 decision of 2026-11-25): the run stops instead of recording a
+    round that cannot update the adapter. The message names each sampled client's reason and how to resume."""
 
 
 def _clean(value: Any) -> Any:
@@ -87,7 +97,9 @@ class RunDir:
         """
         self.path.mkdir(parents=True, exist_ok=True)
         if self.config_path.is_file():
-            saved = load_config(self.config_path)
+            raw = read_toml(self.config_path, "saved config")
+            raw = raw.get("fedspear", raw)
+            saved = load_config(self.config_path, **{k: v for k, v in LEGACY_DEFAULTS.items() if k not in raw})
             differ = [k for k, v in cfg.to_dict().items()
                       if k not in RESUME_FREE_KEYS and saved.to_dict().get(k) != v]
             if differ:
@@ -98,6 +110,11 @@ class RunDir:
                 )
             return
         _atomic_write(self.config_path, cfg.to_toml())
+
+    def write_json(self, name: str, value: Any) -> None:
+        """Write ``<run dir>/<name>`` as indented JSON (atomically: temp file, then rename)."""
+        self.path.mkdir(parents=True, exist_ok=True)
+        _atomic_write(self.path / name, json.dumps(_clean(value), indent=1) + "\n")
 
     # -- metrics --------------------------------------------------------------------------------------------------
     def records(self) -> list[dict[str, Any]]:

@@ -96,7 +96,7 @@ def partition_indices(examples: list, cfg: RunConfig, partition_id: int, local_d
     """
     if local_data:
         return list(range(len(examples)))
-    return dirichlet_partitions(examples, cfg.num_clients, cfg.dirichlet_alpha, cfg.seed)[partition_id]
+    return dirichlet_partitions(examples, cfg.num_clients, cfg.dirichlet_alpha, cfg.seed, cfg.partitioner)[partition_id]
 
 
 class NodeRunner:

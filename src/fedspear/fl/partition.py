@@ -1,6 +1,25 @@
 """Dirichlet partition of the train set over the gold answer label, with flwr-datasets (SPEC §1).
 
-Every client computes the same split from the same seed, so no data or index list ever travels.
+Every client computes the same split from the same seed, so no data or index list ever travels. The label of an item
+is its gold answer (``Example.gold_index``: the option letter, or yes/no), as in the paper's "Dirichlet alpha".
+
+**Decision (2026-11-25, issue 16): which Dirichlet split.** The paper gives only "50 clients, Dirichlet α = 1.0"
+(appendix hyper-parameter tables) and "100 clients, Dirichlet(0.3)" (appendix Table "100 total clients"). Two
+flwr-datasets partitioners read that:
+
+- ``partitioner = "inner_dirichlet"`` (**default**): ``InnerDirichletPartitioner`` (Acar et al. 2021, FedDyn's
+  split). Every client gets ⌊n/K⌋ or ⌈n/K⌉ items (the first ``n mod K`` clients one more); the label mix *within*
+  each client is drawn from Dir(α) over the labels, and a label that runs out is dropped from the remaining draws.
+  Always feasible when n ≥ K: ARC-Challenge's 1,119 train items give 22–23 per client at K = 50 and 11–12 at
+  K = 100, for any α and seed. Heterogeneity is in the labels only, which is what α controls.
+- ``partitioner = "dirichlet"``: ``DirichletPartitioner`` (Hsu et al. 2019): each label's items are split over the
+  clients in Dir(α) proportions, so client sizes vary as well. It needs a minimum size per client, min(10, ⌊n/2K⌋)
+  here, and flwr-datasets gives up after 10 draws below it — which happened for 5 of 5 seeds of ARC-Challenge at
+  K = 50, α = 1 (a minimum of 1 does not help at K = 100, α = 0.3: about one client in ten draws no item at all).
+  It was the only rule before 2026-11-25 and stays for reproducing results made with it (the ``cpu-small`` and
+  ``cpu-qwen1.5b`` presets pin it); when it cannot split, :class:`PartitionError` says so and names the fix.
+
+``partition_summary`` gives the sizes and label counts a run directory records (``partitions.json``).
 """
 
 from __future__ import annotations
@@ -10,31 +29,81 @@ from typing import Sequence
 
 from fedspear.tasks.base import Example
 
+PARTITIONERS = ("inner_dirichlet", "dirichlet")
 
-def dirichlet_partitions(examples: Sequence[Example], num_partitions: int, alpha: float, seed: int) -> list[list[int]]:
-    """Split ``examples`` into ``num_partitions`` lists of indices, label proportions drawn from Dirichlet(α).
 
-    Uses ``flwr_datasets.partitioner.DirichletPartitioner`` over the gold label index (``Example.gold_index``).
-    ``min_partition_size`` is relaxed to what the data allows (at most 1 item per client when data is scarce).
+class PartitionError(ValueError):
+    """The train split cannot be divided over the clients under the chosen rule; the message names the fix."""
 
+
+def dirichlet_partitions(examples: Sequence[Example], num_partitions: int, alpha: float, seed: int,
+                         partitioner: str = "inner_dirichlet") -> list[list[int]]:
+    """Split ``examples`` into ``num_partitions`` lists of indices (module docstring: the two rules).
+
+    Args:
+        examples: the train split every client loads (same order everywhere).
+        num_partitions: K, the number of clients.
+        alpha: Dirichlet concentration α (> 0); small α = skewed labels.
+        seed: the run's seed (same seed → same split on every machine).
+        partitioner: ``"inner_dirichlet"`` (equal sizes, Dir(α) label mix per client) or ``"dirichlet"``.
+    Returns:
+        K lists of indices into ``examples``: disjoint, together every index once.
     Raises:
-        ValueError: fewer examples than partitions.
+        PartitionError: fewer examples than partitions, or ``"dirichlet"`` found no split meeting its minimum size.
+        ValueError: unknown ``partitioner``.
     """
+    if partitioner not in PARTITIONERS:
+        raise ValueError(f"partitioner must be one of {', '.join(PARTITIONERS)} (got {partitioner!r})")
     if len(examples) < num_partitions:
-        raise ValueError(f"{len(examples)} train examples cannot be split over {num_partitions} clients")
-    return [list(p) for p in _partition(tuple(ex.gold_index for ex in examples), num_partitions, alpha, seed)]
+        raise PartitionError(f"{len(examples)} train examples cannot be split over {num_partitions} clients")
+    labels = tuple(ex.gold_index for ex in examples)
+    return [list(p) for p in _partition(labels, num_partitions, float(alpha), seed, partitioner)]
+
+
+def partition_summary(examples: Sequence[Example], parts: Sequence[Sequence[int]]) -> dict:
+    """Sizes and per-label counts of a split, as ``partitions.json`` records them.
+
+    Returns:
+        ``{"sizes": [n_k], "labels": [...], "label_counts": [[count of each label] per client], "min", "max",
+        "mean"}`` (sizes in items).
+    """
+    labels = sorted({ex.gold for ex in examples})
+    counts = [[sum(1 for i in p if examples[i].gold == label) for label in labels] for p in parts]
+    sizes = [len(p) for p in parts]
+    return {"sizes": sizes, "labels": labels, "label_counts": counts, "min": min(sizes), "max": max(sizes),
+            "mean": sum(sizes) / len(sizes)}
 
 
 @lru_cache(maxsize=8)
-def _partition(labels: tuple[int, ...], num_partitions: int, alpha: float, seed: int) -> tuple[tuple[int, ...], ...]:
-    from datasets import Dataset
-    from flwr_datasets.partitioner import DirichletPartitioner
+def _partition(labels: tuple[int, ...], num_partitions: int, alpha: float, seed: int,
+               partitioner: str) -> tuple[tuple[int, ...], ...]:
+    import warnings
 
-    dataset = Dataset.from_dict({"idx": list(range(len(labels))), "label": list(labels)})
-    min_size = max(0, min(10, len(labels) // (2 * num_partitions)))
-    partitioner = DirichletPartitioner(
-        num_partitions=num_partitions, partition_by="label", alpha=alpha, min_partition_size=min_size,
-        self_balancing=False, shuffle=True, seed=seed,
-    )
-    partitioner.dataset = dataset
-    return tuple(tuple(partitioner.load_partition(i)["idx"]) for i in range(num_partitions))
+    from datasets import Dataset
+    from flwr_datasets.partitioner import DirichletPartitioner, InnerDirichletPartitioner
+
+    # InnerDirichletPartitioner indexes classes 0..C-1: rank the labels that occur (ARC's rare "E" may be absent)
+    ranks = {label: r for r, label in enumerate(sorted(set(labels)))}
+    dataset = Dataset.from_dict({"idx": list(range(len(labels))), "label": [ranks[x] for x in labels]})
+    n = len(labels)
+    if partitioner == "inner_dirichlet":
+        sizes = [n // num_partitions + (1 if k < n % num_partitions else 0) for k in range(num_partitions)]
+        part = InnerDirichletPartitioner(partition_sizes=sizes, partition_by="label", alpha=alpha, shuffle=True,
+                                         seed=seed)
+    else:
+        min_size = max(0, min(10, n // (2 * num_partitions)))
+        part = DirichletPartitioner(num_partitions=num_partitions, partition_by="label", alpha=alpha,
+                                    min_partition_size=min_size, self_balancing=False, shuffle=True, seed=seed)
+    part.dataset = dataset
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # flwr-datasets warns on every failed draw; the error below says it all
+            return tuple(tuple(part.load_partition(i)["idx"]) for i in range(num_partitions))
+    except ValueError as err:
+        if partitioner != "dirichlet":
+            raise
+        raise PartitionError(
+            f"partitioner 'dirichlet' could not split {n} train items over {num_partitions} clients with "
+            f"Dirichlet α = {alpha} and at least {min_size} items each (flwr-datasets: {err}); use "
+            "partitioner = \"inner_dirichlet\" (equal sizes, Dir(α) label mix per client; fedspear.fl.partition)"
+        ) from None

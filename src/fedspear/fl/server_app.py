@@ -18,13 +18,14 @@ import numpy as np
 from flwr.app import ConfigRecord, Context, Message, MessageType, RecordDict
 from flwr.serverapp import Grid, ServerApp
 
-from fedspear.client import load_split, peak_rss_mb
+from fedspear.client import load_split, load_train_examples, peak_rss_mb
 from fedspear.config import RunConfig, load_config
 from fedspear.evaluation import evaluate
+from fedspear.fl.partition import dirichlet_partitions, partition_summary
 from fedspear.fl.strategy import WinWeightedFedAvg, from_record, to_record
 from fedspear.model import LoraSettings, add_lora, get_adapter, load_base, set_adapter
 from fedspear.report import write_report
-from fedspear.rundir import RunDir, initial_accuracy
+from fedspear.rundir import EmptyRoundError, RunDir, initial_accuracy
 from fedspear.server_opt import arrays_to_state, state_to_arrays
 from fedspear.tasks import get_task
 from fedspear.training import lr_at_round
@@ -176,15 +177,62 @@ def discover_partitions(grid: Grid, expected: int, timeout: float = 120.0) -> di
     return mapping
 
 
+def record_partitions(run: RunDir, cfg: RunConfig) -> dict:
+    """Compute the simulated clients' split (the one every client computes) and write ``partitions.json``.
+
+    The file holds the rule, α, seed, the number of train items and, per partition id, its size and label counts
+    (``fedspear.fl.partition.partition_summary``). Nodes with their own data (``data-dir`` in the node config) do
+    not use this split.
+
+    Raises:
+        PartitionError: the split is impossible under ``cfg.partitioner`` (the message names the fix).
+    """
+    examples = load_train_examples(cfg)
+    parts = dirichlet_partitions(examples, cfg.num_clients, cfg.dirichlet_alpha, cfg.seed, cfg.partitioner)
+    summary = {"partitioner": cfg.partitioner, "dirichlet_alpha": cfg.dirichlet_alpha, "seed": cfg.seed,
+               "num_clients": cfg.num_clients, "train_items": len(examples), **partition_summary(examples, parts)}
+    run.write_json("partitions.json", summary)
+    return summary
+
+
+def empty_round_error(server_round: int, reasons: list[str], dropped: bool, streak: int,
+                      cfg: RunConfig) -> EmptyRoundError | None:
+    """The error that stops the run after a round with no accepted reply, or None when the round is tolerated.
+
+    **Decision (2026-11-25, issue 16).** A round in which no reply is accepted cannot update the adapter; recording
+    it as a completed round gave runs with flat curves whose only trace was ``clients_failed``. The run stops when
+    every failure of the empty round was an error raised by the clients (exceptions, replies that fail the checks:
+    the same code on the same data fails again), or when ``streak`` — consecutive empty rounds, this one included —
+    exceeds ``max_empty_rounds`` (default 0: the first empty round stops the run). Only rounds where some sampled
+    node dropped out (no reply in time, node unavailable, ClientApp process crashed) can be tolerated; a tolerated
+    round keeps the adapter and is recorded with ``empty: true``.
+    """
+    if dropped and streak <= cfg.max_empty_rounds:
+        return None
+    why = ("every sampled client failed with an error raised by its own code" if not dropped else
+           f"{streak} consecutive empty round(s), more than max_empty_rounds = {cfg.max_empty_rounds}")
+    return EmptyRoundError(
+        f"round {server_round}: no client reply was accepted ({why}), so no update could be aggregated. "
+        f"Clients: {'; '.join(reasons)}. The run directory keeps rounds 0–{server_round - 1}; fix the cause "
+        f"and re-run the same command to resume (max_empty_rounds tolerates rounds in which nodes dropped out)."
+    )
+
+
 def run_server(grid: Grid, cfg: RunConfig, on_round: Callable[[dict], None] | None = None) -> list[dict]:
     """Run (or resume) a SPEAR federation to ``cfg.rounds`` rounds; returns every round record.
 
-    Writes the run directory described in ``fedspear.rundir``. Raises ``ConfigError`` when the run directory holds
-    a run with other settings.
+    Writes the run directory described in ``fedspear.rundir``.
+
+    Raises:
+        ConfigError: the run directory holds a run with other settings.
+        PartitionError: the train split cannot be divided over ``num_clients`` (``fedspear.fl.partition``).
+        EmptyRoundError: a round accepted no client reply and may not be tolerated (``empty_round_error``); the
+            rounds before it stay saved and re-running resumes.
     """
     cfg = cfg.resolved()
     run = RunDir(cfg.output_dir)
     run.check_or_write_config(cfg)
+    record_partitions(run, cfg)
     evaluator = Evaluator(cfg)
     records = run.records()
     if records:
@@ -217,6 +265,11 @@ def run_server(grid: Grid, cfg: RunConfig, on_round: Callable[[dict], None] | No
         strategy.opt_state = arrays_to_state(saved_state)
     strategy.partition_of = discover_partitions(grid, cfg.num_clients)
     payload = json.dumps(cfg.to_dict())
+    streak = 0  # consecutive empty rounds before this one (tolerated ones are recorded with empty: true)
+    for r in reversed(records):
+        if r["round"] == 0 or not r.get("empty"):
+            break
+        streak += 1
     for server_round in range(last + 1, cfg.rounds + 1):
         t_round = time.perf_counter()
         lr = lr_at_round(server_round, cfg.rounds, cfg.lr, cfg.lr_min, cfg.warmup_ratio)
@@ -237,6 +290,19 @@ def run_server(grid: Grid, cfg: RunConfig, on_round: Callable[[dict], None] | No
         record = _round_record(server_round, lr, replies, aggregated, strategy.rejected)
         record["clients"] += [{"node_id": n, "error": f"no reply within {cfg.round_timeout:.0f} s"} for n in sorted(silent)]
         record["clients_failed"] += len(silent)
+        if record["clients_ok"] == 0:
+            streak += 1
+            reasons = [f"partition {strategy.partition_of.get(c['node_id'], '?')} (node {c['node_id']}): {c['error']}"
+                       for c in record["clients"]]
+            error = empty_round_error(server_round, reasons, bool(silent or strategy.dropped), streak, cfg)
+            if error is not None:
+                log.error("%s", error)
+                raise error
+            log.warning("round %d: no reply accepted; tolerated (%d of max_empty_rounds = %d in a row)",
+                        server_round, streak, cfg.max_empty_rounds)
+            record["empty"] = True
+        else:
+            streak = 0
         client_seconds = sum(c.get("seconds_generate_initial", 0) + c.get("seconds_generate_revisions", 0)
                              + c.get("seconds_train", 0) for c in record["clients"] if "error" not in c)
         record["seconds"]["aggregate"] = t_agg - t_recv

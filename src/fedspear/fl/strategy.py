@@ -29,6 +29,7 @@ from flwr.app import Array, ArrayRecord, ConfigRecord, Message, MessageType, Met
 from flwr.serverapp import Grid
 from flwr.serverapp.strategy import FedAvg
 
+from flwr.common.constant import ErrorCode
 from flwr.server.strategy.aggregate import aggregate_median, aggregate_trimmed_avg
 
 from fedspear.aggregation import win_weighted_average
@@ -38,6 +39,9 @@ from fedspear.validation import check_reply
 RULES = ("fedavg", "median", "trimmed_mean")
 
 WEIGHT_KEY = "weight"
+# Error replies raised by the client's own code. Every other error code (node or message unavailable, the ClientApp
+# process crashed, unknown) means the node dropped out: a deployment may tolerate that (``max_empty_rounds``).
+CLIENT_ERRORS = (ErrorCode.LOAD_CLIENT_APP_EXCEPTION, ErrorCode.CLIENT_APP_RAISED_EXCEPTION)
 log = logging.getLogger("fedspear")
 
 
@@ -138,6 +142,7 @@ class WinWeightedFedAvg(FedAvg):
         self.current_arrays: ArrayRecord | None = None
         self.last_replies: list[Message] = []
         self.rejected: dict[int, str] = {}  # node id → reason, for the last round
+        self.dropped: set[int] = set()  # nodes of ``rejected`` that dropped out rather than raised (``CLIENT_ERRORS``)
         if server_opt not in (None, "fedadam", "fedyogi"):
             raise ValueError(f"server optimiser must be fedadam or fedyogi (got {server_opt!r})")
         self.server_opt = server_opt
@@ -182,13 +187,15 @@ class WinWeightedFedAvg(FedAvg):
         and reasons are in ``self.rejected``. Returns ``(None, None)`` when nothing is left to aggregate.
         """
         self.last_replies = list(replies)
-        self.rejected, self.last_aggregated = {}, False
+        self.rejected, self.dropped, self.last_aggregated = {}, set(), False
         reference = from_record(self.current_arrays) if self.current_arrays is not None else None
         accepted = []
         for msg in self.last_replies:
             node = msg.metadata.src_node_id
             if msg.has_error():
                 self.rejected[node] = f"client error: {msg.error.reason}"
+                if msg.error.code not in CLIENT_ERRORS:
+                    self.dropped.add(node)
             elif len(msg.content.array_records) != 1 or len(msg.content.metric_records) != 1:
                 self.rejected[node] = "reply must hold exactly one ArrayRecord and one MetricRecord"
             else:

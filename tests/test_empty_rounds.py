@@ -63,3 +63,26 @@ def test_a_run_whose_clients_all_fail_stops_with_their_reasons_and_resumes_once_
     records = _records(out)
     assert [r["round"] for r in records] == [0, 1, 2]
     assert all(r["clients_ok"] == 2 and r["clients_failed"] == 0 for r in records[1:])
+
+
+@pytest.mark.slow
+def test_rounds_where_nodes_dropped_out_are_tolerated_up_to_max_empty_rounds(tmp_path):
+    """A round timeout far below a client's round makes the sampled node drop out of every round. With
+    max_empty_rounds = 2, rounds 1 and 2 are recorded as empty (adapter kept) and round 3 stops the run; with a
+    normal timeout the same directory resumes at round 3 (round_timeout and max_empty_rounds may change on resume)."""
+    out = tmp_path / "run"
+    cmd = [FEDSPEAR, "run", "--model", "tiny-random", "--rounds", "3", "--clients", "2", "--clients-per-round", "1",
+           "--rollouts-per-round", "2", "--eval-size", "4", "--set", "max_new_tokens=4", "--set", "train_size=40",
+           "--set", "max_empty_rounds=2", "-o", str(out)]
+    proc = subprocess.run(cmd + ["--set", "round_timeout=0.05"], capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 1, proc.stdout[-2000:] + proc.stderr[-3000:]
+    assert "round 3: no client reply was accepted (3 consecutive empty round(s)" in proc.stderr
+    records = _records(out)
+    assert [r["round"] for r in records] == [0, 1, 2]
+    assert all(r["empty"] and r["clients_ok"] == 0 and not r["aggregated"] for r in records[1:])
+    assert "no reply within 0.05 s" in records[1]["clients"][0]["error"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    records = _records(out)
+    assert [r["round"] for r in records] == [0, 1, 2, 3] and records[3]["clients_ok"] == 1
+    assert "2 round(s) accepted no client reply" in (out / "report.md").read_text()

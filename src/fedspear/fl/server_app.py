@@ -280,7 +280,7 @@ def run_server(grid: Grid, cfg: RunConfig, on_round: Callable[[dict], None] | No
         t_recv = time.perf_counter()
         silent = {m.metadata.dst_node_id for m in messages} - {r.metadata.src_node_id for r in replies}
         for node in sorted(silent):
-            log.warning("round %d: node %d sent no reply within %.0f s (timed out or disconnected); dropped",
+            log.warning("round %d: node %d sent no reply within %g s (timed out or disconnected); dropped",
                         server_round, node, cfg.round_timeout)
         new_arrays, _ = strategy.aggregate_train(server_round, replies)
         aggregated = strategy.last_aggregated
@@ -288,13 +288,17 @@ def run_server(grid: Grid, cfg: RunConfig, on_round: Callable[[dict], None] | No
             arrays = from_record(new_arrays)
         t_agg = time.perf_counter()
         record = _round_record(server_round, lr, replies, aggregated, strategy.rejected)
-        record["clients"] += [{"node_id": n, "error": f"no reply within {cfg.round_timeout:.0f} s"} for n in sorted(silent)]
+        record["clients"] += [{"node_id": n, "error": f"no reply within {cfg.round_timeout:g} s"} for n in sorted(silent)]
         record["clients_failed"] += len(silent)
         if record["clients_ok"] == 0:
             streak += 1
             reasons = [f"partition {strategy.partition_of.get(c['node_id'], '?')} (node {c['node_id']}): {c['error']}"
                        for c in record["clients"]]
             error = empty_round_error(server_round, reasons, bool(silent or strategy.dropped), streak, cfg)
+            if error is None and server_round == cfg.rounds and streak == server_round:
+                error = EmptyRoundError(f"round {server_round}: no round of this run accepted a client reply; "
+                                        f"a run that never updated its adapter is not a result. Clients: "
+                                        f"{'; '.join(reasons)}")
             if error is not None:
                 log.error("%s", error)
                 raise error

@@ -416,7 +416,7 @@ def distill_loss(
     ``sum_{b,t} m_bt D_bt / sum_{b,t} m_bt`` (a token mean over the whole batch, as TRL's GKD trainer with
     ``reduction="batchmean"`` over completion tokens), with ``D`` = :func:`generalized_jsd` (``"jsd"``, OPSD's
     default: ``beta = 0.5``, ``T = 1.1``) or :func:`kl_divergence` (``"forward_kl"``, ``KL(teacher || student)``; the
-    SPEAR authors' variant uses ``T = 2`` with the current model as the teacher).
+    SPEAR authors' variant uses ``T = 2``, ``t2_scaling=True`` and the current model as the teacher).
 
     The student and teacher logits must be aligned on the same completion positions: the teacher sees the
     privileged context (gold answer, solution or facts) and the student only the prompt, so the caller slices
@@ -429,8 +429,9 @@ def distill_loss(
         divergence: ``"jsd"`` or ``"forward_kl"``.
         beta: mixture weight for ``"jsd"`` (ignored by ``"forward_kl"``).
         temperature: ``T > 0`` for both models.
-        t2_scaling: multiply by ``T^2`` (Hinton et al. 2015); off by default, as in GKD / TRL and SPEC §8's JSD
-            value.
+        t2_scaling: multiply by ``T^2`` (Hinton et al. 2015). Off by default, as in GKD / TRL and SPEC §8's JSD
+            value; on for the SPEAR authors' forward-KL variant (SPEC §5/§8: ``4 * 0.258889 = 1.035556`` at
+            ``T = 2``; ``fedspear.algorithms.opsd.VARIANTS["authors"]``).
 
     Returns:
         Scalar tensor; 0 attached to the graph for an empty batch or an all-empty mask.

@@ -4,8 +4,11 @@ Primary metric: accuracy of the final answer of a greedy generation (the paper's
 answer"), scored with the task's ``is_correct``. Secondary, for multiple-choice tasks: log-likelihood accuracy —
 one forward over the prompt, then argmax over the label tokens at the first answer position (the authors'
 ARC/HellaSwag protocol). When generation runs too, the log-likelihood scores come from its first decoding step
-(the same prompt forward), so they cost nothing extra. **Decision:** with a chat template the answer starts the assistant turn, so the label is
-scored as its bare token ("A"); without one the prompt ends in "Answer:" and the label is scored as " A".
+(the same prompt forward), so they cost nothing extra.
+
+**Decision:** with a chat template the answer starts the assistant turn, so the label is scored as its bare token
+("A"); without one the prompt ends in "Answer:" (``fedspear.interaction.render`` adds no blank line after a closing
+colon) and the label is scored as " A", the token that continues "Answer:".
 
 Both come with n and a 95% Wilson score interval.
 """
@@ -34,10 +37,28 @@ def wilson_interval(correct: int, n: int, z: float = 1.959964) -> tuple[float, f
     return max(0.0, centre - half), min(1.0, centre + half)
 
 
+ANSWER_CUE = "Answer:"
+"""How the ARC-Challenge and HellaSwag prompts end; without a chat template the answer continues it (" A")."""
+
+
 def label_token_ids(tokenizer, labels: Sequence[str]) -> list[int]:
-    """First token id of each label as it would begin the answer (see the module docstring)."""
-    prefix = "" if getattr(tokenizer, "chat_template", None) else " "
-    return [tokenizer.encode(prefix + label, add_special_tokens=False)[0] for label in labels]
+    """First token id of each label as it would begin the answer (see the module docstring).
+
+    With a chat template: the label's own first token ("A"), which starts the assistant turn. Without one: the
+    first token after ``"Answer:"`` in the tokenisation of ``"Answer: A"`` — the id that ``render(prompt)``, which
+    ends in ``"Answer:"``, is continued with when the text ``prompt + " A"`` is tokenised. (Usually the id of
+    ``" A"`` alone; read off the cue so that a SentencePiece tokenizer, whose ``" A"`` on its own may start with a
+    bare ``"▁"``, gives the same id as in running text.)
+    """
+    if getattr(tokenizer, "chat_template", None):
+        return [tokenizer.encode(label, add_special_tokens=False)[0] for label in labels]
+    cue = tokenizer.encode(ANSWER_CUE, add_special_tokens=False)
+    out = []
+    for label in labels:
+        full = tokenizer.encode(f"{ANSWER_CUE} {label}", add_special_tokens=False)
+        shared = next((i for i, (a, b) in enumerate(zip(cue, full)) if a != b), min(len(cue), len(full)))
+        out.append(full[shared])
+    return out
 
 
 @torch.no_grad()

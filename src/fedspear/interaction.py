@@ -1,4 +1,4 @@
-"""Phase 1 of SPEAR — interaction (paper Alg. 1, lines 3–24; SPEC §2).
+"""Phase 1 of SPEAR — interaction (paper Alg. 1, lines 3–25; SPEC §2).
 
 For each prompt x of the client's batch: sample y0 from the original context c0; if the feedback source says it is
 right, (c0, y0) joins the win set. Otherwise, up to N times, ask for partial feedback f_n on the previous attempt,
@@ -10,7 +10,10 @@ Generation is batched: every pending prompt of an attempt goes through one ``gen
 on, sampling at temperature 0.8 / top-p 0.95, stop at EOS or the task's ``MAX_NEW_TOKENS``).
 
 **Rendering c_n (SPEC §2 Decision):** with a chat template, c_n is the conversation user(c0), assistant(y_prev),
-user(f_n); without one, the plain texts joined by blank lines.
+user(f_n); without one, the plain texts joined by blank lines. Where the answer starts (:func:`render`): with a
+template, at the assistant turn; without one, after a blank line — except after a text that ends in a colon (ARC's
+and HellaSwag's "Answer:"), which the answer continues on the same line (" A"), as log-likelihood scoring
+(``fedspear.evaluation.label_token_ids``) and the authors' " A".." D" protocol assume.
 """
 
 from __future__ import annotations
@@ -62,7 +65,18 @@ class InteractionResult:
 def render(tokenizer, turns: Sequence[str]) -> list[int]:
     """Token ids of a conversation whose turns alternate user, assistant, user, …, ending with a generation prompt.
 
-    Without a chat template the texts are joined by blank lines (SPEC §2 Decision).
+    With a chat template: the template's messages and its generation prompt (the answer starts the assistant turn).
+
+    Without one (SPEC §2 Decision), the texts joined by blank lines, then where the answer starts:
+
+    - after a last text ending in a colon, nothing: the closing ``Answer:`` is continued on its line, so the answer's
+      first token is ``" A"`` and ``render(prompt) + [id(" A")]`` is exactly the tokenisation of ``prompt + " A"``
+      (the tokens log-likelihood scoring compares, and the authors' ARC/HellaSwag protocol);
+    - otherwise a blank line (a MathMCQA or StrategyQA prompt ends with its options or question, and a revision
+      context with the feedback's instruction: the answer starts a new paragraph).
+
+    Why the colon case: a blank line after ``Answer:`` would end the prompt in two newlines (one token, ``ĊĊ``, in
+    GPT-2-style vocabularies) while the scorer compares ``" A"`` .. ``" D"``, which in text follow ``"Answer:"``.
     """
     if getattr(tokenizer, "chat_template", None):
         messages = [{"role": "user" if i % 2 == 0 else "assistant", "content": t} for i, t in enumerate(turns)]
@@ -70,7 +84,8 @@ def render(tokenizer, turns: Sequence[str]) -> list[int]:
         if hasattr(ids, "keys"):  # transformers ≥ 5 returns a BatchEncoding
             ids = ids["input_ids"]
         return list(ids)
-    return tokenizer("\n\n".join(turns) + "\n\n", add_special_tokens=True)["input_ids"]
+    text = "\n\n".join(turns)
+    return tokenizer(text if text.endswith(":") else text + "\n\n", add_special_tokens=True)["input_ids"]
 
 
 def new_counters(prompts: int) -> dict[str, float]:
@@ -184,7 +199,7 @@ def interact(
     seed: int = 0,
     replay: Sequence[Sequence[list[int]]] | None = None,
 ) -> InteractionResult:
-    """Run SPEAR's interaction phase on ``examples`` (paper Alg. 1, lines 3–24).
+    """Run SPEAR's interaction phase on ``examples`` (paper Alg. 1, lines 3–25).
 
     Args:
         task: the task module (its ``prompt`` renders c0; ``MAX_NEW_TOKENS`` is the default budget).

@@ -10,16 +10,16 @@ Shapes: ``B`` traces in a batch, ``T`` token positions, ``V`` vocabulary size. M
 - :func:`win_nll` -- the win NLL (Eq. 4).
 - :func:`gated_unlikelihood` -- the confidence-gated tail unlikelihood (Eq. 6).
 - :func:`spear_loss` -- ``lambda_w * l_win + lambda_l * l_lose`` (Eq. 7).
-- :func:`margin`, :func:`h_mu`, :func:`margin_lower_bound` -- the log-probability margin ``M_tau`` and the bound of
-  Theorem 1 (paper §4), used as a per-round diagnostic and in a property test.
+- :func:`margin`, :func:`h_mu`, :func:`margin_lower_bound` -- the log-probability margin ``M_tau`` (Eq. 8) and the
+  bound of Theorem 1 (Eqs. 9-10, paper §4), used as a per-round diagnostic and in a property test.
 
 Normalisation (SPEC §3, **Decision**): ``"token"`` (default) is what produced the paper's numbers in the authors' code
 -- token means over the batch; ``"sequence"`` is the paper's equations as written -- per-trace sums averaged over
 traces. Theorem 1 is stated for the ``"sequence"`` form with one win and one lose trace.
 
-Paper defaults (appendix hyper-parameter tables): ``lambda_w = 1.0``, ``lambda_l = 0.1``, ``mu = 0.3``,
-``tau = 32 / 0 / 24 / 0`` for ARC-Challenge / HellaSwag / MathMCQA / StrategyQA. They live in the algorithm config,
-not here.
+Paper defaults (appendix hyper-parameter tables, identical for Qwen2.5-1.5B and Llama-3.2-3B): ``lambda_w = 1.0``,
+``lambda_l = 0.1``, ``mu = 0.3``, ``tau = 32 / 0 / 24 / 0`` for MathMCQA / ARC-Challenge / StrategyQA / HellaSwag
+(the tables' column order). They live in the algorithm config, not here.
 """
 
 from __future__ import annotations
@@ -310,7 +310,7 @@ def spear_loss(
 def margin(
     win_logp: torch.Tensor, win_mask: torch.Tensor, lose_logp: torch.Tensor, lose_tail: torch.Tensor
 ) -> torch.Tensor:
-    """SPEAR log-probability margin ``M_tau`` (paper §4, Eq. for ``M_tau``), one value per (win, lose) pair.
+    """SPEAR log-probability margin ``M_tau`` (paper §4, Eq. 8), one value per (win, lose) pair.
 
     ``M_tau = (1/|y+|) sum_i log p(y+_i) - (1/|T_tau(y-)|) sum_{i in T_tau} log p(y-_i)``: the win's mean token
     log-probability minus the lose tail's mean token log-probability. Row ``b`` of the win tensors is paired with
@@ -340,7 +340,8 @@ def margin(
 
 
 def h_mu(mu: float) -> float:
-    """Confidence-amplified margin constant of Theorem 1: ``log 4`` if ``mu <= 1/2`` else ``log(1 / (mu (1 - mu)))``.
+    """Confidence-amplified margin constant of Theorem 1 (Eq. 10): ``log 4`` if ``mu <= 1/2`` else
+    ``log(1 / (mu (1 - mu)))``.
 
     This is ``inf_{p > mu} log(1 / (p (1 - p)))`` (Lemma 1 in the paper's appendix). The paper's closed form
     ``log(1 / max(1/4, mu (1 - mu)))`` is a typo -- ``mu (1 - mu) <= 1/4`` always, so it would be ``log 4`` for every
@@ -363,7 +364,7 @@ def margin_lower_bound(
     win_len: int | torch.Tensor,
     tail_len: int | torch.Tensor,
 ) -> float | torch.Tensor:
-    """Theorem 1's bound: ``M_tau >= h(mu) - eps (1 / (lambda_w |y+|) + 1 / (lambda_l alpha |T_tau(y-)|))``.
+    """Theorem 1's bound (Eq. 9): ``M_tau >= h(mu) - eps (1 / (lambda_w |y+|) + 1 / (lambda_l alpha |T_tau(y-)|))``.
 
     Valid when ``l_SPEAR <= eps`` for a single (win, lose) pair under the ``"sequence"`` normalisation (Eqs. 4 and 6
     as written) and every tail token has ``p > mu`` (Assumption 1). Also requires ``p <= 1 - 1e-6`` on the tail

@@ -1,4 +1,4 @@
-"""Phase 2 of SPEAR — local training on the win and lose sets (paper Eqs. 4–7, Alg. 1 lines 25–31; SPEC §3).
+"""Phase 2 of SPEAR — local training on the win and lose sets (paper Eqs. 4–7, Alg. 1 lines 26–31; SPEC §3).
 
 Each local step draws a win batch and a lose batch (B traces each, seeded, cycling through each set), runs one
 forward over both (left padded so every completion ends at the last position: logits are computed only for the
@@ -22,7 +22,7 @@ import torch
 
 from . import losses as L
 from .interaction import Trace
-from .model import autocast
+from .model import FastDropout, autocast
 from .server_opt import fedprox_term
 
 
@@ -62,6 +62,9 @@ class TrainSettings:
         max_lose_ratio: cap |L| ≤ ratio · |W| by seeded subsampling (SPEC §3).
         max_grad_norm: gradient clipping norm.
         prox_mu: FedProx proximal weight μ_prox (0 = plain local training; Li et al. 2020, Eq. 2).
+        dropout: apply the adapter's dropout (``lora_dropout``, paper 0.1) in the local steps. True for SPEAR and
+            Feedback SFT; False for the ratio-based baselines (GRPO, RLTF-SD), whose sampling-time and reference
+            log-probabilities are computed without dropout (see :func:`dropout_modules`).
     """
 
     local_steps: int = 5
@@ -75,6 +78,7 @@ class TrainSettings:
     max_lose_ratio: int = 2
     max_grad_norm: float = 1.0
     prox_mu: float = 0.0
+    dropout: bool = True
 
 
 @dataclass
@@ -206,14 +210,26 @@ def cap_losses(losses: Sequence[Trace], num_wins: int, ratio: int, seed: int) ->
     return random.Random(seed).sample(list(losses), cap)
 
 
+def dropout_modules(model) -> list[torch.nn.Module]:
+    """Every dropout module of ``model``: torch's ``nn.Dropout`` family and the adapter's :class:`FastDropout`.
+
+    Putting them in eval mode turns dropout off while the model stays in train mode (so gradient checkpointing,
+    which transformers runs only in train mode, still applies, and its recomputed forward is the same as the
+    first). Attention-probability dropout is a functional call governed by the config's ``attention_dropout``,
+    0 in the packaged models (SmolLM2, Qwen2.5, Llama 3.2).
+    """
+    return [m for m in model.modules() if isinstance(m, (torch.nn.modules.dropout._DropoutNd, FastDropout))]
+
+
 def optimise(model, micro_step, settings: TrainSettings, *, lr: float, seed: int) -> dict[str, float]:
     """The local optimisation loop every algorithm shares (SPEC §3 "Optimiser").
 
     ``settings.local_steps`` AdamW steps (fresh optimiser, weight decay 0) over the trainable (LoRA) parameters;
     each step accumulates ``settings.grad_accum`` calls of ``micro_step() -> {"loss": tensor, ...}`` (every other
     entry is logged), clips the gradient to ``settings.max_grad_norm`` and skips (and counts) a step whose gradient
-    is not finite. With ``settings.prox_mu > 0`` the FedProx term (μ/2)‖θ − θ^(t)‖² is added to every loss, θ^(t)
-    being the parameters at entry (Li et al. 2020, Eq. 2). Seeds torch (LoRA dropout) with ``seed``.
+    is not finite. With ``settings.prox_mu > 0`` the FedProx term (μ/2)‖θ − θ^(t)‖² is added to every loss,
+    θ^(t) being the parameters at entry (Li et al. 2020, Eq. 2). Seeds torch (LoRA dropout) with ``seed``. With
+    ``settings.dropout`` False every dropout module stays in eval mode for the whole loop (:func:`dropout_modules`).
 
     Returns:
         ``steps``, ``skipped_nonfinite`` and, for each logged term, its mean over steps (``<term>``) — the
@@ -224,11 +240,14 @@ def optimise(model, micro_step, settings: TrainSettings, *, lr: float, seed: int
     optimizer = torch.optim.AdamW(params, lr=lr, weight_decay=0.0)
     torch.manual_seed(seed)  # LoRA dropout
     model.train()
+    no_dropout = [] if settings.dropout else dropout_modules(model)
     out: dict[str, float] = {"steps": 0, "skipped_nonfinite": 0}
     sums: dict[str, float] = {}
     for _ in range(settings.local_steps):
         optimizer.zero_grad(set_to_none=True)
         for _ in range(settings.grad_accum):
+            for module in no_dropout:  # again each time: a micro-step may have called model.train()
+                module.eval()
             terms = micro_step()
             loss = terms["loss"]
             if anchor is not None:
@@ -310,7 +329,7 @@ def local_train(
 
 @torch.no_grad()
 def pair_margin(model, wins, losses, pad: int, tau: int, dtype_used: str) -> tuple[float, int]:
-    """Mean SPEAR margin M_τ (paper §4, Eq. "margin") over (win, lose) pairs that share a context.
+    """Mean SPEAR margin M_τ (paper §4, Eq. 8) over (win, lose) pairs that share a context.
 
     Returns:
         ``(mean margin in nats per token, number of pairs)``; ``(nan, 0)`` without pairs.

@@ -55,6 +55,8 @@ def logprobs_of(model, traces: Sequence[Trace], pad: int, dtype_used: str, *, ad
     """Per-trace completion log-probabilities (float32 ``[len(completion)]`` each), no grad, eval mode.
 
     ``adapter=False`` scores under the base model (peft's ``disable_adapter``): the GRPO / RLTF-SD reference policy.
+    Eval mode means no dropout: the live forward these are compared with must run without it too
+    (``TrainSettings.dropout = False``; :mod:`fedspear.algorithms.grpo`, **Decision (dropout)**).
     """
     was_training = model.training
     model.eval()

@@ -9,6 +9,16 @@ sampling-time log-probabilities; each step draws ``batch_size`` sequences (× ``
 rollouts. Loss: :func:`fedspear.baseline_losses.grpo_loss` (mean over sequences of token means).
 Aggregation weight: the number of prompts (SPEC §5).
 
+**Decision (dropout):** the local steps run with LoRA dropout off (``TrainSettings.dropout = False``), like the
+sampling-time ("old") and reference log-probabilities, which are computed in eval mode. The importance ratio
+π_θ/π_old and the k3 KL then compare the same deterministic function of the parameters: at the first step, before
+any update, the ratio is exactly 1 (up to float round-off) and the surrogate's gradient is the on-policy
+−A ∇log π. With dropout on in the live forward only, the first step's per-token ratios were 0.95–1.06 (issue 16):
+noise from the dropout mask, not a policy change, multiplying each token's surrogate gradient. Recomputing the old
+log-probs with dropout on would not help (a different mask each forward). Same choice as TRL's ``disable_dropout``
+("prevents the model from generating different logprobs for the same input") and its DPO/GKD defaults; the cost
+is that the paper's LoRA dropout 0.1 does not regularise GRPO. SPEAR, Feedback SFT and OPSD keep it.
+
 Defaults — paper appendix table "Training, federated learning, and GRPO hyperparameters" (Qwen2.5-1.5B and
 Llama-3.2-3B, identical): β_KL 0.02 (0.1 StrategyQA), clip range 0.2, generations 2 / 4 / 2 / 4 for MathMCQA /
 ARC-Challenge / StrategyQA / HellaSwag.
@@ -16,6 +26,7 @@ ARC-Challenge / StrategyQA / HellaSwag.
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from dataclasses import dataclass
 from typing import Sequence
@@ -41,7 +52,8 @@ class Settings:
         group_size: G, samples per prompt.
         beta: k3 KL weight β_KL.
         eps: PPO clip range ε.
-        train: the shared optimiser settings (steps, batch size in sequences, grad accumulation, FedProx μ).
+        train: the shared optimiser settings (steps, batch size in sequences, grad accumulation, FedProx μ), with
+            ``dropout = False`` (module docstring, **Decision**).
     """
 
     group_size: int = 4
@@ -58,7 +70,7 @@ def settings(cfg) -> Settings:
         group_size=cfg.group_size or GROUP_SIZE[cfg.task],
         beta=KL_BETA[cfg.task] if cfg.kl_beta is None else cfg.kl_beta,
         eps=cfg.clip_eps,
-        train=spear.settings(cfg),
+        train=dataclasses.replace(spear.settings(cfg), dropout=False),  # ratio against dropout-free old log-probs
     )
 
 

@@ -10,8 +10,10 @@ Variants (``opsd_variant``):
 
 - ``original`` (default; Zhao et al.): generalised JSD, β = 0.5, temperature 1.1, teacher = the base model
   (adapter disabled).
-- ``authors`` (how the SPEAR authors ran it, SPEC §5): forward KL(teacher ‖ student), temperature 2, teacher = the
-  current model (adapter on, no gradient).
+- ``authors`` (how the SPEAR authors ran it, SPEC §5): forward KL(teacher ‖ student) at temperature 2, multiplied
+  by T² = 4 (Hinton et al. 2015; SPEC §8: 0.258889 × 4 = 1.035556), teacher = the current model (adapter on, no
+  gradient). The T² keeps the loss and its gradient on the scale of a T = 1 loss; without it both are 4× smaller,
+  and gradient clipping at norm 1.0 then acts on a different gradient.
 
 Training settings (steps, batch, learning rate) follow the paper's appendix table "Training and federated learning
 hyperparameters for OPSD" through :class:`fedspear.config.RunConfig`. OPSD checks no answer for correctness; the
@@ -34,19 +36,29 @@ from ..training import TrainSettings, completion_logits, pack
 from . import common
 
 VARIANTS = {
-    "original": dict(divergence="jsd", beta=0.5, temperature=1.1, teacher="base"),
-    "authors": dict(divergence="forward_kl", beta=0.5, temperature=2.0, teacher="current"),
+    "original": dict(divergence="jsd", beta=0.5, temperature=1.1, teacher="base", t2_scaling=False),
+    "authors": dict(divergence="forward_kl", beta=0.5, temperature=2.0, teacher="current", t2_scaling=True),
 }
 
 
 @dataclass
 class Settings:
-    """OPSD settings. ``teacher`` is ``"base"`` (adapter disabled) or ``"current"`` (adapter on, no gradient)."""
+    """OPSD settings (``VARIANTS``).
+
+    Attributes:
+        divergence: ``"jsd"`` (generalised JSD) or ``"forward_kl"`` (KL(teacher ‖ student)).
+        beta: JSD mixture weight (ignored by ``"forward_kl"``).
+        temperature: softmax temperature T of both models.
+        teacher: ``"base"`` (adapter disabled) or ``"current"`` (adapter on, no gradient).
+        t2_scaling: multiply the divergence by T² (the ``authors`` variant; SPEC §5/§8).
+        train: the shared optimiser settings.
+    """
 
     divergence: str = "jsd"
     beta: float = 0.5
     temperature: float = 1.1
     teacher: str = "base"
+    t2_scaling: bool = False
     train: TrainSettings = None  # type: ignore[assignment]
 
 
@@ -54,6 +66,13 @@ def settings(cfg) -> Settings:
     from . import spear
 
     return Settings(**VARIANTS[cfg.opsd_variant], train=spear.settings(cfg))
+
+
+def loss(student_logits: torch.Tensor, teacher_logits: torch.Tensor, mask: torch.Tensor, s: Settings) -> torch.Tensor:
+    """The OPSD loss of one micro-batch under settings ``s``: :func:`fedspear.baseline_losses.distill_loss` with
+    the variant's divergence, β, T and T² scaling. Logits ``[B, C, V]``, mask ``[B, C]`` → scalar."""
+    return B.distill_loss(student_logits, teacher_logits, mask, s.divergence, s.beta, s.temperature,
+                          t2_scaling=s.t2_scaling)
 
 
 def privileged_prompt(task, example: Example) -> str:
@@ -102,9 +121,7 @@ def client_round(worker, examples: Sequence[Example], *, lr: float, seed: int,
                 teacher_logits = completion_logits(model, teacher, worker.dtype_used).float()
             model.train(was_training)
         student_logits = completion_logits(model, student, worker.dtype_used)  # [B, C, V]
-        loss = B.distill_loss(student_logits, teacher_logits, student.completion_mask, s.divergence, s.beta,
-                              s.temperature)
-        return {"loss": loss}
+        return {"loss": loss(student_logits, teacher_logits, student.completion_mask, s)}
 
     wins = int(sum(correct))
     return common.finish_round(worker, micro_step, s.train, lr=lr, seed=seed, started=t0, counters=counters,

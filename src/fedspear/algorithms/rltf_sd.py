@@ -9,6 +9,11 @@ A_sd = r1 − mean r0. Loss (:func:`fedspear.baseline_losses.rltf_sd_loss`):
 Rollouts are collected before the local steps ("batch rollout", paper §5), so later steps use importance ratios
 against the sampling-time log-probabilities. Aggregation weight: the number of prompts.
 
+**Decision (dropout):** as GRPO (:mod:`fedspear.algorithms.grpo`), the local steps run with LoRA dropout off
+(``TrainSettings.dropout = False``, inherited from ``grpo.settings``), like the eval-mode sampling-time and
+reference log-probabilities, so the RL terms' ratios are exactly 1 at the first step and the KL compares like with
+like. The SD term (−A_sd log π(y1|x0)) shares the same forward, so it runs without dropout too.
+
 Defaults — paper appendix table "Training, federated learning, and RLTF-SD hyperparameters": γ 1.0, SD coefficient
 0.1, RL coefficient 1.0, early termination on. The table gives no group size or KL weight; like the authors' code
 (GRPO-based group generation, §5 "Wall-clock Time Comparison") they are GRPO's table values (N = 4 ARC/HellaSwag,
@@ -33,7 +38,7 @@ from . import common, grpo
 
 @dataclass
 class Settings:
-    """RLTF-SD settings (paper appendix RLTF-SD tables; N and β from the GRPO tables)."""
+    """RLTF-SD settings (paper appendix RLTF-SD tables; N, β and ``train`` — dropout off — from GRPO's)."""
 
     group_size: int = 4
     beta: float = 0.02
@@ -103,7 +108,8 @@ def client_round(worker, examples: Sequence[Example], *, lr: float, seed: int,
         terms = B.rltf_sd_loss(
             logp[rows(0)], mask[rows(0)], logp[rows(1)], mask[rows(1)], logp[rows(2)], mask[rows(2)],
             (a_rl0[idx], a_rl1[idx], a_sd[idx]), beta=s.beta, eps=s.eps,
-            old_logp0=common.aligned([old0[i] for i in idx], batch.window), old_logp1=common.aligned([old1[i] for i in idx], batch.window),
+            old_logp0=common.aligned([old0[i] for i in idx], batch.window),
+            old_logp1=common.aligned([old1[i] for i in idx], batch.window),
             ref_logp0=common.aligned([ref0[i] for i in idx], batch.window) if ref0 else None,
             ref_logp1=common.aligned([ref1[i] for i in idx], batch.window) if ref1 else None,
             sd_coef=s.sd_coef, rl_coef=s.rl_coef,

@@ -26,7 +26,7 @@ def settings(cfg) -> TrainSettings:
 
 def client_round(worker, examples: Sequence[Example], *, lr: float, seed: int, feedback: FeedbackSource,
                  train: TrainSettings | None = None, task=None, replay=None) -> dict[str, float]:
-    """One SPEAR client-round: interaction (Alg. 1 lines 3–24), then local training (lines 25–31).
+    """One SPEAR client-round: interaction (Alg. 1 lines 3–25), then local training (lines 26–31).
 
     ``task`` (default: the run's task) renders the prompts; ``replay`` passes attempts a person already judged (see
     :func:`fedspear.interaction.interact`; ``fedspear.human``) instead of sampling new ones.

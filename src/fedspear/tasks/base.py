@@ -7,12 +7,14 @@ A task module provides:
 
 - ``NAME`` (str), ``HUB_ID`` (str, the Hugging Face dataset id used when loading online), ``TRAIN_SPLIT`` /
   ``EVAL_SPLIT`` (split names), ``MAX_NEW_TOKENS`` (int, generation budget per attempt, tokens),
-  ``MAX_LOSE_RATIO`` (int, SPEC §3), ``MULTIPLE_CHOICE`` (bool: log-likelihood accuracy applies).
+  ``MAX_LOSE_RATIO`` (int, SPEC §3), ``MULTIPLE_CHOICE`` (bool: log-likelihood accuracy over the label tokens is
+  meaningful and reported; False for MathMCQA although it has options, as its prompt asks for reasoning first).
 - ``load(split, data_dir=None, source="offline", skipped=None) -> list[Example]``; with a ``skipped`` list, malformed
   records are skipped and their messages (file:line and field) appended to it instead of raising.
 - ``prompt(example) -> str``: the initial user message c0 (paper appendix "Prompt Format").
 - ``feedback(example, completion) -> str``: the oracle's partial feedback for a wrong completion (SPEC §2).
-- ``extract_answer(completion, example) -> str | None``: the final answer label, or None.
+- ``extract_answer(completion, example) -> str | None``: the final answer label, or None (SPEC §2 IsCorrect: the
+  short-answer rule for ARC-Challenge / HellaSwag, only an explicit final answer for MathMCQA / StrategyQA).
 - ``is_correct(completion, example) -> bool``: ``extract_answer(...) == example.gold``.
 """
 

@@ -1,9 +1,19 @@
 """Helpers several task modules share: answer extraction, option rendering, hint words, data paths.
 
-The extraction rules follow SPEC §2 "IsCorrect": the last ``Answer: X`` wins, else the last standalone answer token,
-else no answer. Letters are matched case-SENSITIVELY (uppercase only), so the English article "a" is never read as
-option A; yes/no is matched case-insensitively. Only labels of the example count: an "E" in a four-option item, or
-the pronoun "I", is not an answer.
+Two extraction rules (SPEC §2 "IsCorrect"):
+
+- **Short-answer rule** (``extract_letter`` / ``extract_yes_no``; ARC-Challenge and HellaSwag, whose prompts ask for
+  one letter and whose budget is 16 tokens): the last ``Answer: X`` wins, else the last standalone answer token,
+  else no answer.
+- **Explicit final answer** (``explicit_letter`` / ``explicit_yes_no``; MathMCQA and StrategyQA, whose prompts ask
+  for reasoning that ends with "Answer: X"): only an answer stated explicitly counts — a final line that is only
+  the label, else the last "Answer: X" / "The answer is X" of the completion with X standing alone; a letter or
+  yes/no met inside the reasoning, or reasoning cut off before any answer statement, gives no answer. The accepted
+  forms are listed in ``explicit_answer`` and in each task's docstring.
+
+Both rules match letters case-SENSITIVELY (uppercase only), so the English article "a" is never read as option A;
+yes/no is matched case-insensitively. Only labels of the example count: an "E" in a four-option item, or the
+pronoun "I", is not an answer.
 """
 
 from __future__ import annotations
@@ -11,7 +21,7 @@ from __future__ import annotations
 import math
 import re
 from pathlib import Path
-from typing import Any, Iterable, Sequence
+from typing import Any, Callable, Iterable, Sequence
 
 from fedspear.tasks.base import DataError
 
@@ -65,6 +75,134 @@ def extract_yes_no(completion: str) -> str | None:
         if found:
             return found[-1].lower()
     return None
+
+
+# --- Explicit final answers (reasoning tasks) -------------------------------------------------------------------
+# The final line (``final_line``) if it is a lone label; else the last answer keyword of the completion
+# (``FINAL_KEYWORD_RE``), after which the rest of its line must be a lone label (``*_REST_RE``).
+
+# A line with a letter or a digit: lines of bare decoration after the answer ("```", "---", "**", "$$") are skipped.
+CONTENT_LINE_RE = re.compile(r"[^\W_]")
+# The answer keyword, case-insensitive, within one line; its label follows it on the same line. Three forms:
+# - "answer:" anywhere ("Answer: B", "**Answer:** B", "**Answer**: B", "Final answer: B", "Thinking... Answer: no").
+#   A quoted '"Answer: no"' is the template quoted back (the feedback ends 'exactly: "Answer: yes" or "Answer:
+#   no".'), not an answer;
+# - "answer is" / "choice is" / "option is" opening a sentence (at a line start or after ". ", ": " ...), after an
+#   optional connective, "the" and "final"/"correct" ("The answer is (B).", "So, the final answer is: no", "... 322
+#   BC. Therefore, the answer is no.", "The correct choice is \(\boxed{B}\)."). "Whether the answer is yes" is no
+#   keyword: no sentence opens there;
+# - "\boxed" around a lone capital letter or yes/no ("the area of ABC is \(\boxed{D}\)."): the conventional mark of
+#   a final answer in maths. A box around anything else ("\boxed{45}") is no keyword and is passed over.
+FINAL_KEYWORD_RE = re.compile(
+    r"(?i:(?<![\"'`“‘])\banswer\b[ \t*_]*:"
+    r"|(?:^|(?<=[.!;:])[ \t])[ \t*_#>]*"
+    r"(?:(?:so|thus|therefore|hence|overall|in[ \t]+conclusion|in[ \t]+summary)[ \t]*,?[ \t*_]*)?"
+    r"(?:the[ \t]+)?(?:(?:final|correct)[ \t]+)?(?:answer|choice|option)[ \t*_]+is\b[ \t*_]*:?"
+    r"|\\boxed[ \t]*(?=\{[ \t]*(?:(?-i:[A-Z])|yes|no)[ \t]*\}))",
+    re.MULTILINE,
+)
+# What may open a label, repeated: markdown emphasis, quotes, brackets, "$", the LaTeX math delimiters "\(" and
+# "\[", and LaTeX wrappers ("\boxed{", "\text{").
+LABEL_OPEN = r"""(?:[ \t*_"'`(\[{$]|\\[(\[]|\\(?:boxed|text|textbf|mathrm|mathbf)[ \t]*\{)*"""
+# What may close a label: the same marks mirrored ("\)" and "\]" included), and a full stop or "!" (not "?" nor
+# ",": "yes?" asks, "no, but" goes on).
+LABEL_CLOSE = r"""(?:[ \t*_"'`)\]}$.!]|\\[)\]])*"""
+# A letter, optionally called "option B" / "choice B"; "tail" is whatever follows the letter and its closing marks
+# on its line (allowed only when it is that option's own text, see ``explicit_letter``). The letter must stand
+# alone: "Because" or "B12" is not B.
+LETTER_REST_RE = re.compile(
+    rf"{LABEL_OPEN}(?:(?i:option|choice)[ \t]*[ \t(]*)?(?P<label>[A-Z])(?![^\W_]){LABEL_CLOSE}(?P<tail>.*)"
+)
+# yes / no (any case); "tail" must be empty (``explicit_yes_no``).
+YES_NO_REST_RE = re.compile(rf"{LABEL_OPEN}(?P<label>(?i:yes|no))(?![^\W_]){LABEL_CLOSE}(?P<tail>.*)")
+# Separators between a letter and its option text: "B. 42", "B) 42", "(B) 42", "B: 42", "B - 42".
+OPTION_SEPARATOR = " \t*_\"'`)]}$.:,-–—"
+# Decoration around option text that does not change it ("**$42$**.").
+OPTION_DECORATION = " \t*_\"'`$.!"
+
+
+def final_line(completion: str) -> str:
+    """The last line of ``completion`` that holds a letter or digit, stripped ("" if there is none).
+
+    >>> final_line("Step 1.\\nAnswer: B\\n```\\n\\n")
+    'Answer: B'
+    """
+    for line in reversed(completion.splitlines()):
+        if CONTENT_LINE_RE.search(line):
+            return line.strip()
+    return ""
+
+
+def explicit_answer(completion: str, rest_re: re.Pattern[str]) -> tuple[str, str, bool] | None:
+    """The label an explicit final answer gives, as ``(label, tail, keyword)``, or None.
+
+    Accepted forms, in this order:
+
+    1. the final line (``final_line``) is a label with light decoration and nothing else ("B", "(B)", "**B**",
+       "B.", "\\boxed{B}", "Yes."): ``keyword = False``, ``tail = ""``;
+    2. else the LAST answer keyword of the whole completion (``FINAL_KEYWORD_RE``: "Answer:", "The answer is"),
+       and the rest of its line must be a label that ``rest_re`` accepts: ``keyword = True``, ``tail`` = the text
+       after the label and its closing marks on that line. Lines after it may hold anything but another keyword
+       (an explanation, "I hope it is correct").
+
+    The last keyword decides: if its label does not parse ("Answer: 3", "Answer: Because...", a keyword cut off
+    at the end of the text), the result is None, and nothing falls back to an earlier keyword or to a label met
+    elsewhere in the text.
+    """
+    line = final_line(completion)
+    if not FINAL_KEYWORD_RE.search(line):
+        match = rest_re.fullmatch(line)
+        if match and not match["tail"].strip():
+            return match["label"], "", False
+    keywords = list(FINAL_KEYWORD_RE.finditer(completion))
+    if not keywords:
+        return None
+    rest = completion[keywords[-1].end() :].split("\n", 1)[0].strip()
+    match = rest_re.fullmatch(rest)
+    return (match["label"], match["tail"].strip(), True) if match else None
+
+
+def explicit_letter(completion: str, labels: Sequence[str], options: Sequence[str] = (),
+                    option_key: Callable[[str], str] | None = None) -> str | None:
+    """The option letter of an explicit final answer (``explicit_answer``), or None.
+
+    The letter must be one of ``labels`` (case-sensitive). After "Answer: B" the line may go on only with that
+    option's own text ("Answer: B. 42", "Answer: (B) $\\frac{1}{2}$"), compared under ``option_key`` once the
+    separator and decoration are stripped (default: ``alphanumeric``); anything else ("Answer: B is wrong",
+    "Answer: B. 7" when B is 42) gives None. A bare final line may hold the letter alone, never option text (an
+    echoed "B. 42" is not an answer).
+
+    >>> explicit_letter("2+3 = 5, option B.\\nAnswer: **B**", ("A", "B", "C", "D"))
+    'B'
+    >>> explicit_letter("Let $ABC$ be a triangle and let $D$ be the foot of the altitude from", "ABCD") is None
+    True
+    """
+    found = explicit_answer(completion, LETTER_REST_RE)
+    if found is None or found[0] not in labels:
+        return None
+    label, tail, _ = found
+    if not tail:
+        return label
+    if len(options) != len(labels):
+        return None
+    text = tail.lstrip(OPTION_SEPARATOR).strip(OPTION_DECORATION)
+    option = options[list(labels).index(label)]
+    key = option_key or alphanumeric
+    return label if text and key(text) == key(option) else None
+
+
+def explicit_yes_no(completion: str) -> str | None:
+    """``"yes"`` / ``"no"`` (lower case) of an explicit final answer (``explicit_answer``), or None.
+
+    Nothing may follow the word but closing marks: "Answer: no, because..." gives None.
+
+    >>> explicit_yes_no("Laptops came 2,300 years later.\\nAnswer: No.")
+    'no'
+    >>> explicit_yes_no("There is no record of Aristotle using a laptop, so we must") is None
+    True
+    """
+    found = explicit_answer(completion, YES_NO_REST_RE)
+    return found[0].lower() if found and not found[1] else None
 
 
 def format_options(labels: Sequence[str], options: Sequence[str]) -> str:

@@ -33,6 +33,36 @@ and the derived record (the ``stellaathena/math_mcqa`` field names plus level, t
 Prompt and feedback wording: paper appendix "Prompt Format" (Prompt Template --- MathMCQA). Feedback (SPEC §2):
 the hint is the first three lines or 300 characters of the solution, whichever is shorter, with every ``\\boxed{...}``
 removed and cut before the first occurrence of the final answer (``hint_lines``), so it never contains the answer.
+
+**Decision (IsCorrect, 2026-11-25, issue 16):** only an explicit final answer counts; the rule is
+``common.explicit_letter`` and the same function judges training (the oracle's ``is_correct``) and evaluation
+(``acc_gen``, through ``extract_answer``). Accepted, in this order:
+
+1. a final line that is only the letter, lightly decorated ("B", "(B)", "**B**", "B.", "\\boxed{B}") — the final
+   line being the last line holding a letter or digit (bare markdown such as "```" or "---" after it is skipped);
+2. else the LAST answer statement of the completion: "Answer:" ("Answer: B", "**Answer:** B", "**Answer: B**",
+   "Final answer: (B)", "... so x = 5. Answer: B") or a sentence opening with "The answer is" ("The answer is
+   (B).", "So the final answer is $\\boxed{B}$."), whose line goes on with one of the item's letters standing alone
+   ("(B)", "**B**", "B.", "\\boxed{B}", "option B") and then nothing, or only that option's own text ("Answer: B.
+   42", "Answer: (B) $\\frac{1}{2}$", compared under ``answer_key``). Lines after it may explain it.
+
+Anything else is unparsed (``None``, shown as "?" in the feedback) and wrong: a letter met inside the reasoning
+("Let $ABC$ be a triangle and let $D$ be the foot of the altitude from", "Option A says 5, option C says 7.
+Computing: 2+3 ="), reasoning cut off before any answer statement, "Answer: 3" (a number where a letter is asked),
+"Answer: E" (not an option), "Answer: B is wrong because...", "Answer: B, since...", option text that is not that
+letter's ("Answer: B. 7" when B is 42), lower-case "answer: b", the template quoted back ('"Answer: X"'), and a last
+statement whose letter does not parse even if an earlier one did ("Answer: B ... To check the answer: compute"):
+the last statement decides, nothing falls back. Why this strict: a false win enters NLL training and gives α = 1 to
+a lose trace that was never fixed, while a missed parse only costs a revision. Known limit: the rule reads text
+only, so an answer the budget cut off after its statement, or a repetition loop ("The answer is B. The answer is
+B. The ...") cut by the budget, still counts; telling those apart needs the caller to say whether the completion
+ended with EOS (measured in docs/results/parse-rates). Before 2026-11-25 the fallback took the last standalone
+capital letter anywhere in the text.
+
+**Decision (no log-likelihood accuracy, issue 16):** ``MULTIPLE_CHOICE = False`` here although the items have
+options. Log-likelihood accuracy scores the first answer token, but the prompt asks for reasoning first, so that
+token is the start of the reasoning, not a choice; the number would not measure the model's answer. Only the
+accuracy of the final generated answer is reported.
 """
 
 from __future__ import annotations
@@ -50,7 +80,7 @@ from fedspear.tasks.common import (
     check_not_correct,
     check_split,
     data_root,
-    extract_letter,
+    explicit_letter,
     format_options,
     letters_phrase,
     load_hub_split,
@@ -64,12 +94,14 @@ MATH_DIR = "hendrycks_math"
 TRAIN_SPLIT = "train"
 EVAL_SPLIT = "test"
 SPLITS = (TRAIN_SPLIT, EVAL_SPLIT)
-#: Generation budget per attempt (tokens). A fedspear default: the paper does not state it; the prompt asks for
-#: step-by-step reasoning before "Answer: X".
-MAX_NEW_TOKENS = 256
+#: Generation budget per attempt (tokens): the SPEAR authors' 512 (their code; the paper's max sequence length is
+#: 2048). The earlier 256 cut step-by-step answers before their final "Answer: X" (issue 16; measured in
+#: docs/results/parse-rates).
+MAX_NEW_TOKENS = 512
 #: |L| ≤ 4·|W| (SPEC §3).
 MAX_LOSE_RATIO = 4
-MULTIPLE_CHOICE = True
+#: False: log-likelihood accuracy is not reported for this task (module docstring, second Decision).
+MULTIPLE_CHOICE = False
 N_CHOICES = 4
 LABELS = tuple(LETTERS[:N_CHOICES])
 SEED_SALT = "fedspear-math_mcqa"
@@ -297,12 +329,21 @@ def prompt(example: Example) -> str:
 
 
 def extract_answer(completion: str, example: Example) -> str | None:
-    """The option letter of ``completion`` (SPEC §2 IsCorrect; rules in ``common.extract_letter``), or None."""
-    return extract_letter(completion, example.labels)
+    """The option letter of an explicit final answer (module docstring, first Decision), or None.
+
+    >>> example = Example("x", "1+1?", LABELS, ("1", "2", "3", "4"), "B")
+    >>> extract_answer("1+1 = 2, which is option B.\\nAnswer: B", example)
+    'B'
+    >>> extract_answer("Answer: (B) 2", example), extract_answer("Answer: (B) 3", example)
+    ('B', None)
+    >>> extract_answer("Let $ABC$ be a triangle and let $D$ be the foot of the altitude from", example) is None
+    True
+    """
+    return explicit_letter(completion, example.labels, example.options, answer_key)
 
 
 def is_correct(completion: str, example: Example) -> bool:
-    """True when the extracted letter is the gold letter."""
+    """True when the extracted letter is the gold letter (an unparsed answer is wrong)."""
     return extract_answer(completion, example) == example.gold
 
 

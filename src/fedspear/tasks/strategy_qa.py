@@ -20,6 +20,30 @@ itself reveal the gold through which facts are missing. The hint shows the first
 remaining facts (k counted over all facts; fewer if fewer remain). If every fact contains such a word, the first k
 facts are shown with the words "yes"/"no" replaced by "[...]". On the shipped data 17 of 2290 questions have such a
 fact among their first k, and none has only such facts.
+
+**Decision (IsCorrect, 2026-11-25, issue 16):** only an explicit final answer counts; the rule is
+``common.explicit_yes_no`` and the same function judges training (the oracle's ``is_correct``) and evaluation
+(``acc_gen``, through ``extract_answer``). Accepted, in this order:
+
+1. a final line that is only "yes" or "no" (any case), lightly decorated ("Yes", "No.", "**no**", "(yes)") — the
+   final line being the last line holding a letter or digit (bare markdown such as "```" or "---" after it is
+   skipped);
+2. else the LAST answer statement of the completion: "Answer:" ("Answer: no", "**Answer:** Yes", "**Answer:
+   No**", "Final answer: yes", "... laptops came 2,300 years later. Answer: no") or a sentence opening with "The
+   answer is" ("The answer is no.", "Therefore, the answer is: yes"), whose line goes on with "yes" or "no" and
+   then nothing but closing marks ("No.", "**yes**", "'no'"). Lines after it may explain it.
+
+Anything else is unparsed (``None``, shown as "?" in the feedback) and wrong: a yes/no met inside the reasoning
+("There is no record of Aristotle using a laptop, so we must"), reasoning cut off before any answer statement, a
+justification on the answer's line ("Answer: no, because..."; the prompt asks for exactly "Answer: no"), "Answer:
+yes/no", "Answer: maybe", the template quoted back ('exactly: "Answer: yes" or "Answer: no".'), "whether the answer
+is yes" (no sentence opens there), and a last statement that does not parse even if an earlier one did: the last
+statement decides, nothing falls back. Why this strict: a false win enters NLL training and gives α = 1 to a lose
+trace that was never fixed, while a missed parse only costs a revision. Known limit: the rule reads text only, so
+an answer the budget cut off after its statement, or a repetition loop ("The answer is yes. The answer is yes.
+The ...") cut by the budget, still counts; telling those apart needs the caller to say whether the completion
+ended with EOS (measured in docs/results/parse-rates). Before 2026-11-25 the fallback took the last standalone
+yes/no word anywhere in the text.
 """
 
 from __future__ import annotations
@@ -32,7 +56,7 @@ from fedspear.tasks.common import (
     check_not_correct,
     check_split,
     data_root,
-    extract_yes_no,
+    explicit_yes_no,
     fact_count,
     load_hub_split,
     shown_prediction,
@@ -43,9 +67,10 @@ HUB_ID = "ChilleD/StrategyQA"
 TRAIN_SPLIT = "train"
 EVAL_SPLIT = "test"
 SPLITS = (TRAIN_SPLIT, EVAL_SPLIT)
-#: Generation budget per attempt (tokens). A fedspear default: the paper does not state it; the prompt asks for
-#: step-by-step reasoning before "Answer: yes/no".
-MAX_NEW_TOKENS = 128
+#: Generation budget per attempt (tokens): the SPEAR authors' 256 (their code; the paper's max sequence length is
+#: 1024). The earlier 128 cut step-by-step answers before their final "Answer: yes/no" (issue 16; measured in
+#: docs/results/parse-rates).
+MAX_NEW_TOKENS = 256
 #: |L| ≤ 4·|W| (SPEC §3).
 MAX_LOSE_RATIO = 4
 MULTIPLE_CHOICE = False
@@ -123,12 +148,19 @@ def prompt(example: Example) -> str:
 
 
 def extract_answer(completion: str, example: Example) -> str | None:
-    """``"yes"``/``"no"``: the last ``Answer: yes/no``, else the last standalone yes/no word (case-insensitive)."""
-    return extract_yes_no(completion)
+    """``"yes"``/``"no"`` of an explicit final answer (module docstring, Decision on IsCorrect), or None.
+
+    >>> example = Example("x", "Did Aristotle use a laptop?", LABELS, (), "no")
+    >>> extract_answer("He died in 322 BC; laptops came in the 1980s.\\nAnswer: No", example)
+    'no'
+    >>> extract_answer("There is no record of Aristotle using a laptop, so we must", example) is None
+    True
+    """
+    return explicit_yes_no(completion)
 
 
 def is_correct(completion: str, example: Example) -> bool:
-    """True when the extracted yes/no is the gold one."""
+    """True when the extracted yes/no is the gold one (an unparsed answer is wrong)."""
     return extract_answer(completion, example) == example.gold
 
 

@@ -65,11 +65,11 @@ def test_presets_are_valid_and_cpu_small_has_the_issue_shape():
 
 
 def test_cpu_qwen_preset_has_the_issue_shape():
-    """Issue 7: ARC, all five algorithms, 2 seeds; log-likelihood on the whole test split at round 0 and the end,
-    generation on a fixed subset; the 1.5B model with gradient checkpointing."""
+    """Issue 7: ARC, all five algorithms (3 seeds since issue 17); log-likelihood on the whole test split at round 0
+    and the end, generation on a fixed subset; the 1.5B model with gradient checkpointing."""
     grid = PRESETS["cpu-qwen1.5b"]
     cells = grid.cells(Path("x"))
-    assert grid.tasks == ["arc_challenge"] and len(cells) == 10 and grid.seeds == [0, 1]
+    assert grid.tasks == ["arc_challenge"] and len(cells) == 15 and grid.seeds == [0, 1, 2]  # issue 17: 3 seeds
     assert {c.algorithm for c in cells} == {"spear", "feedback_sft", "grpo", "opsd", "rltf_sd"}
     cfg = cells[0].config
     assert cfg.model == "qwen2.5-coder-1.5b" and cfg.eval_size == 0 and 0 < cfg.eval_gen_size <= 200
@@ -120,6 +120,7 @@ def test_compare_two_cells_end_to_end_and_resume(tmp_path):
     text = (out / "comparison.md").read_text()
     assert "| SPEAR |" in text and "| GRPO |" in text and "SPEAR minus each baseline" in text
     assert "## Gain over round 0" in text and "| acc_ll | arc_challenge | – | GRPO |" in text
+    assert "## Parsed and cut-off answers (generation)" in text and "| arc_challenge-grpo-s0 | " in text
     for name in ("accuracy_acc_gen", "accuracy_acc_ll", "wall_clock", "revisions_successful", "needing_revision"):
         assert (out / "plots" / f"{name}.png").stat().st_size > 1000
     data = json.loads((out / "comparison.json").read_text())
@@ -204,3 +205,41 @@ def test_a_grid_toml_written_before_the_partitioner_key_matches_its_preset(tmp_p
     newer = Grid(**{**grid.to_dict(), "base": {**grid.base, "partitioner": "inner_dirichlet"}})
     with pytest.raises(ConfigError, match="another grid"):
         compare_module.run_grid(newer, out)
+
+
+def test_opsd_authors_is_a_row_of_its_own(tmp_path):
+    """Issue 17: both OPSD formulations in one grid; the variant row runs ``opsd`` with ``opsd_variant = authors``
+    and otherwise the same settings (the paper preset's OPSD table included)."""
+    grid = Grid(tasks=["strategy_qa"], algorithms=["opsd", "opsd_authors"], seeds=[0], settings="paper")
+    original, authors = grid.cells(tmp_path)
+    assert (original.name, authors.name) == ("strategy_qa-opsd-s0", "strategy_qa-opsd_authors-s0")
+    a, b = original.config.to_dict(), authors.config.to_dict()
+    assert (a["algorithm"], a["opsd_variant"]) == ("opsd", "original")
+    assert (b["algorithm"], b["opsd_variant"]) == ("opsd", "authors")
+    assert {k for k in a if a[k] != b[k]} == {"opsd_variant", "output_dir"}
+    assert load_grid_roundtrip(grid, tmp_path).algorithms == ["opsd", "opsd_authors"]
+
+
+def test_a_finished_grid_gains_a_seed_without_rerunning_its_cells(tmp_path, monkeypatch):
+    """Issue 17 (a third ARC seed): the committed two-seed cpu-qwen1.5b results, extended to seeds 0–2, skip their
+    10 finished cells and start the first seed-2 cell; as the copies hold no adapters, that cell evaluates its own
+    round 0 (no ``round0_from``). Removing a seed is still refused."""
+    import shutil
+
+    import fedspear.compare as compare_module
+
+    committed = Path(__file__).resolve().parents[1] / "docs" / "results" / "cpu-qwen1.5b"
+    out = tmp_path / "grid"
+    shutil.copytree(committed, out, ignore=shutil.ignore_patterns("plots", "*.md", "*.json"))
+    calls = []
+    monkeypatch.setattr(compare_module.subprocess, "call", lambda *a, **k: calls.append(a[0]) or 1)
+    grid = Grid(**{**PRESETS["cpu-qwen1.5b"].to_dict(), "seeds": [0, 1, 2]})
+    events = []
+    with pytest.raises(RuntimeError, match="arc_challenge-spear-s2 failed"):
+        compare_module.run_grid(grid, out, on_event=lambda kind, cell, _: events.append((kind, cell.name)))
+    assert [e for e in events if e[0] == "skip"] == [("skip", c.name) for c in grid.cells(out)[:10]]
+    assert events[-1] == ("start", "arc_challenge-spear-s2") and len(calls) == 1
+    assert load_grid(out / "grid.toml").seeds == [0, 1, 2]
+    assert "\nround0_from =" not in (out / "cells" / "arc_challenge-spear-s2" / "cell.toml").read_text()
+    with pytest.raises(ConfigError, match=r"another grid \(differs in: seeds\)"):
+        compare_module.run_grid(Grid(**{**grid.to_dict(), "seeds": [0, 2]}), out)

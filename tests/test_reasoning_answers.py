@@ -278,4 +278,18 @@ def test_training_judgement_and_evaluation_agree_on_the_whole_table(task, templa
     expected = "".join("1" if gold_is_expected and e is not None else "0" for _, e in table)
     assert evaluated["correct_gen"] == trained == expected
     assert evaluated["parsed_gen"] == pytest.approx(sum(e is not None for _, e in table) / len(table))
+    assert evaluated["cutoff_gen"] == 0  # every scripted answer ends with EOS
     assert "acc_ll" not in evaluated  # neither task reports log-likelihood accuracy
+
+
+def test_evaluation_reports_the_share_of_answers_cut_off_by_the_budget(monkeypatch):
+    """``cutoff_gen``: answers with no EOS (stopped by the budget), here 2 of 4; a cut answer whose text states an
+    answer still counts (the text-only limit of the module docstrings) while a cut reasoning does not parse."""
+    tok = ByteTokenizer()
+    texts = ["Answer: no", "Laptops came later. So the answer", "Answer: no", "The answer is no.\nThe answer is no."]
+    ends = [[tok.eos_token_id], [], [tok.eos_token_id], []]
+    monkeypatch.setattr(evaluation, "generate",
+                        lambda model, tokenizer, contexts, **kw: [tok.encode(t) + e for t, e in zip(texts, ends)])
+    examples = [Example(f"s{i}", SQA.question, SQA.labels, (), "no", SQA.extra) for i in range(4)]
+    out = evaluation.evaluate(None, tok, examples, strategy_qa, loglik=False)
+    assert out["cutoff_gen"] == 0.5 and out["parsed_gen"] == 0.75 and out["correct_gen"] == "1011"

@@ -9,7 +9,11 @@ resumes after its last completed round (``fedspear run``'s own resume). The roun
 the fixed held-out subset — is computed once per task and reused by the other cells (``round0_from``; checked, see
 :func:`fedspear.fl.server_app.reused_round0`).
 
-Outputs in ``<output>``: ``grid.toml`` (the grid; a re-run with another grid is refused), ``cells/``,
+A grid row may be an algorithm variant (``VARIANTS``: ``opsd_authors`` is OPSD with ``opsd_variant = "authors"``),
+so both OPSD formulations sit in one table.
+
+Outputs in ``<output>``: ``grid.toml`` (the grid; a re-run with another grid is refused, except one that only adds
+seeds or algorithms to it: the finished cells stay and the new ones run), ``cells/``,
 ``comparison.md`` and ``plots/`` (accuracy vs round, cumulative wall-clock per algorithm as in the paper's Fig. 2,
 successful revisions and samples needing revision per round as in Figs. 3–5), ``comparison.json`` (every figure
 in the table).
@@ -39,7 +43,12 @@ PARTITIONER_DEFAULT = RunConfig.__dataclass_fields__["partitioner"].default
 AXES = ("mu", "tau", "lambda_l", "max_revisions", "strategy", "num_clients", "dirichlet_alpha", "last_layers",
         "centralized", "user_flip_prob", "user_irrelevant_prob")
 
-NAMES = {"spear": "SPEAR", "feedback_sft": "Feedback SFT", "grpo": "GRPO", "opsd": "OPSD", "rltf_sd": "RLTF-SD"}
+NAMES = {"spear": "SPEAR", "feedback_sft": "Feedback SFT", "grpo": "GRPO", "opsd": "OPSD", "rltf_sd": "RLTF-SD",
+         "opsd_authors": "OPSD (authors)"}
+#: Grid rows that run an algorithm with fixed settings: row name → (algorithm, settings). ``opsd_authors``: the SPEAR
+#: authors' OPSD (forward KL, T 2, current-model teacher; ``fedspear.algorithms.opsd``) beside the original.
+VARIANTS: dict[str, tuple[str, dict[str, Any]]] = {"opsd_authors": ("opsd", {"opsd_variant": "authors"})}
+ROWS = (*ALGORITHMS, *VARIANTS)
 T_975 = {1: 12.706, 2: 4.303, 3: 3.182, 4: 2.776, 5: 2.571, 6: 2.447, 7: 2.365, 8: 2.306, 9: 2.262, 10: 2.228}
 
 
@@ -49,7 +58,8 @@ class Grid:
 
     Attributes:
         tasks: benchmarks (one table column each).
-        algorithms: client algorithms (``fedspear.algorithms``), one table row each.
+        algorithms: client algorithms (``fedspear.algorithms``) or variants of them (``VARIANTS``), one table row
+            each.
         seeds: seeds every cell is repeated with (mean ± std over them).
         axes: other settings to vary, ``{key: [values]}`` with keys from ``AXES``.
         base: settings every cell shares (any ``RunConfig`` key; ``task``/``algorithm``/``seed``/``output_dir``
@@ -73,8 +83,8 @@ class Grid:
         if not self.tasks:
             raise ConfigError("grid: tasks is empty")
         for name in self.algorithms:
-            if name not in ALGORITHMS:
-                raise ConfigError(f"grid: unknown algorithm {name!r}; choose from {', '.join(ALGORITHMS)}")
+            if name not in ROWS:
+                raise ConfigError(f"grid: unknown algorithm {name!r}; choose from {', '.join(ROWS)}")
         if not self.algorithms or not self.seeds:
             raise ConfigError("grid: algorithms and seeds must not be empty")
         for key, values in self.axes.items():
@@ -102,7 +112,7 @@ class Grid:
         for task, values, seed, algorithm in itertools.product(
             self.tasks, itertools.product(*(self.axes[k] for k in keys)), self.seeds, self.algorithms
         ):
-            preset = preset_settings(self.settings, task, algorithm) if self.settings else {}
+            preset = preset_settings(self.settings, task, algorithm_of(algorithm)) if self.settings else {}
             out.append(Cell(root, task, algorithm, seed, dict(zip(keys, values)),
                             {**preset, **self.base, **self.per_task.get(task, {})}))
         return out
@@ -113,6 +123,11 @@ class Grid:
         if self.settings:  # only when set, so grid.toml files written before the key still match
             out["settings"] = self.settings
         return out
+
+
+def algorithm_of(row: str) -> str:
+    """The ``RunConfig.algorithm`` a grid row runs (``row`` itself unless it is one of ``VARIANTS``)."""
+    return VARIANTS[row][0] if row in VARIANTS else row
 
 
 @dataclass
@@ -145,7 +160,9 @@ class Cell:
         if axes.pop("centralized", False):
             values.update(num_clients=1, clients_per_round=1)
         values.update(axes)
-        values.update(task=self.task, algorithm=self.algorithm, seed=self.seed, output_dir=str(self.path))
+        algorithm, fixed = VARIANTS.get(self.algorithm, (self.algorithm, {}))
+        values.update(fixed)
+        values.update(task=self.task, algorithm=algorithm, seed=self.seed, output_dir=str(self.path))
         try:
             return RunConfig(**values)
         except ConfigError as err:
@@ -182,12 +199,12 @@ _preset("cpu-small", Grid(
 _preset("cpu-qwen1.5b", Grid(
     tasks=["arc_challenge"],
     algorithms=list(ALGORITHMS),
-    seeds=[0, 1],
+    seeds=[0, 1, 2],  # seed 2 added by issue 17 (the committed results' grid.toml, seeds 0–1, is extended)
     base=dict(model="qwen2.5-coder-1.5b", rounds=10, num_clients=10, clients_per_round=2, rollouts_per_round=4,
               max_revisions=1, local_steps=2, batch_size=4, lr=2e-4, eval_size=0, eval_gen_size=100,
               eval_every=10, partitioner="dirichlet"),
     note=("Fidelity run on a model that can move (issue 7): the opt-in Qwen2.5-Coder-1.5B-Instruct (`fedspear models "
-          "install qwen2.5-coder-1.5b`), ARC-Challenge, all five algorithms × 2 seeds (10 cells), sized for a few "
+          "install qwen2.5-coder-1.5b`), ARC-Challenge, all five algorithms × 3 seeds (15 cells), sized for a few "
           "hours of a 2-core CPU (measured per client-round: SPEAR ≈ 26 s, GRPO ≈ 34 s, RLTF-SD ≈ 140 s). "
           "Log-likelihood accuracy on the whole ARC-Challenge test split (1,172 questions, one forward each, "
           "≈ 7 min) at round 0 (computed once, reused by every cell) and after the last round; generation accuracy "
@@ -258,6 +275,9 @@ def run_grid(grid: Grid, output: Path, on_event: Callable[[str, Cell, float], No
     Each cell runs as ``python -m fedspear.cli run --config <cell>/cell.toml`` with its log in ``<cell>/log.txt``.
     ``on_event(kind, cell, seconds)`` is called with kind ``"skip"``, ``"start"`` or ``"done"``.
 
+    A saved grid that differs only by having fewer seeds or algorithms (each a subset of the new one's) or in its
+    note is extended: ``grid.toml`` is rewritten, its finished cells are skipped and the new ones run.
+
     Raises:
         ConfigError: ``output`` holds a different grid.
         RuntimeError: a cell failed (its log path and last lines are in the message); finished cells stay.
@@ -269,17 +289,22 @@ def run_grid(grid: Grid, output: Path, on_event: Callable[[str, Cell, float], No
     if saved.exists():
         old = load_grid(saved).to_dict()
         old["base"] = {"partitioner": LEGACY_DEFAULTS["partitioner"], **old["base"]}
-        if old != grid.to_dict():
-            diff = sorted(k for k in old if old[k] != grid.to_dict()[k])
+        new = grid.to_dict()
+        diff = sorted(k for k in set(old) | set(new) if old.get(k) != new.get(k) and k != "note")  # note: prose
+        extends = set(diff) <= {"seeds", "algorithms"} and all(set(old[k]) <= set(new[k]) for k in diff)
+        if not extends:
             raise ConfigError(f"{output} holds another grid (differs in: {', '.join(diff)}); use another "
                               f"--output-dir or delete it")
+        if old != new:  # more seeds / algorithms, a new note: the finished cells keep their place
+            saved.write_text(grid_toml(grid), encoding="utf-8")
     else:
         saved.write_text(grid_toml(grid), encoding="utf-8")
     cells = grid.cells(output)
     first_of_task: dict[str, Path] = {}
     for cell in cells:
         if cell.done():
-            first_of_task.setdefault(cell.task, cell.path)
+            if RunDir(cell.path).adapter_dir(0).exists():  # reusable (a copied result without adapters is not)
+                first_of_task.setdefault(cell.task, cell.path)
             if on_event:
                 on_event("skip", cell, 0.0)
             continue
@@ -410,6 +435,7 @@ def cell_summary(cell: Cell) -> dict[str, Any] | None:
         "acc": {k: last["eval"].get(k) for k in ("acc_gen", "acc_ll")},
         "outcomes0": {k: first.get("correct_" + k[4:]) for k in ("acc_gen", "acc_ll")},
         "outcomes": {k: last["eval"].get("correct_" + k[4:]) for k in ("acc_gen", "acc_ll")},
+        "answers": {k: (first.get(k), last["eval"].get(k)) for k in ("parsed_gen", "cutoff_gen")},
         "n": last["eval"]["n"],
         "n_gen": last["eval"].get("n_gen", last["eval"]["n"]),
         "curve": [(r["round"], r["eval"].get("acc_gen"), r["eval"].get("acc_ll")) for r in records if r.get("eval")],
@@ -484,6 +510,17 @@ def summarise(grid: Grid, output: Path, command: str = "", started: str = "") ->
                 avg = _fmt_pct(sum(means) / len(means)) if len(means) == len(grid.tasks) else "–"
                 lines.append(f"| {NAMES.get(algorithm, algorithm)} | " + " | ".join(cellsv) + f" | {avg} |")
             lines.append("")
+    answer_rows = [r for r in rows if any(v is not None for pair in r["answers"].values() for v in pair)]
+    if answer_rows:
+        lines += ["## Parsed and cut-off answers (generation)", "",
+                  "Share of the evaluated greedy answers (%) from which the task's rule reads an answer (*parsed*) and "
+                  "that the token budget stopped before EOS (*cut off*), round 0 → last evaluated round.", "",
+                  "| Cell | parsed | cut off |", "|---|---|---|"]
+        for r in answer_rows:
+            cells_txt = [" → ".join("–" if v is None else f"{100 * v:.1f}" for v in r["answers"][k])
+                         for k in ("parsed_gen", "cutoff_gen")]
+            lines.append(f"| {r['cell']} | " + " | ".join(cells_txt) + " |")
+        lines.append("")
     if "spear" in grid.algorithms and len(grid.algorithms) > 1:
         lines += ["## SPEAR minus each baseline", "",
                   "Difference in final accuracy (percentage points), paired by task and seed (same partition, "

@@ -136,7 +136,8 @@ def evaluate(model, tokenizer, examples: Sequence[Example], task, *, dtype_used:
     Returns:
         ``n``, and for each metric computed (``acc_gen``; ``acc_ll`` for multiple choice): the accuracy, its
         Wilson 95% interval (``<name>_low``, ``<name>_high``), plus ``seconds_evaluate`` and, for generation, the
-        share of answers that could be parsed (``parsed_gen``) and the predicted-label distribution
+        share of answers that could be parsed (``parsed_gen``), the share cut off by the token budget (no EOS
+        within it, ``cutoff_gen``) and the predicted-label distribution
         (``pred_<label>`` counts) so a shift of the label prior is visible. ``correct_<name>`` holds the outcome
         per item in evaluation order ("1" right, "0" wrong; a string of length ``n`` or ``n_gen``), so evaluations
         of the same items can be compared item by item (``fedspear.compare.paired_gain``).
@@ -163,6 +164,8 @@ def evaluate(model, tokenizer, examples: Sequence[Example], task, *, dtype_used:
         out["acc_gen"] = correct / len(examples)
         out["acc_gen_low"], out["acc_gen_high"] = wilson_interval(correct, len(examples))
         out["parsed_gen"] = sum(a is not None for a in answers) / len(examples)
+        eos = tokenizer.eos_token_id
+        out["cutoff_gen"] = sum(not c or c[-1] != eos for c in completions) / len(examples)
         for label in sorted({l for ex in examples for l in ex.labels}):
             out[f"pred_{label}"] = sum(a == label for a in answers)
         examples = examples_all

@@ -10,6 +10,7 @@ the generations scripted, and that MathMCQA reports no log-likelihood accuracy.
 from __future__ import annotations
 
 import pytest
+import torch
 
 from fedspear import evaluation
 from fedspear.feedback import OracleFeedback
@@ -293,3 +294,25 @@ def test_evaluation_reports_the_share_of_answers_cut_off_by_the_budget(monkeypat
     examples = [Example(f"s{i}", SQA.question, SQA.labels, (), "no", SQA.extra) for i in range(4)]
     out = evaluation.evaluate(None, tok, examples, strategy_qa, loglik=False)
     assert out["cutoff_gen"] == 0.5 and out["parsed_gen"] == 0.75 and out["correct_gen"] == "1011"
+
+
+@pytest.mark.parametrize(("task", "loglik", "wants_logits"), [(strategy_qa, True, False), (math_mcqa, True, False),
+                                                              (arc_challenge, True, True),
+                                                              (arc_challenge, False, False)])
+def test_evaluation_asks_for_first_step_logits_only_when_it_scores_them(task, loglik, wants_logits, monkeypatch):
+    """Generation keeps every step's logits when asked for the first ones: only log-likelihood scoring asks, and
+    the batch size reaches the generator."""
+    tok = ByteTokenizer()
+    seen = {}
+
+    def generate(model, tokenizer, contexts, *, first_logits=None, batch_size=None, **kwargs):
+        seen.update(first_logits=first_logits, batch_size=batch_size)
+        if first_logits is not None:
+            first_logits.extend(torch.zeros(257) for _ in contexts)
+        return [tok.encode("Answer: A") + [tok.eos_token_id] for _ in contexts]
+
+    monkeypatch.setattr(evaluation, "generate", generate)
+    example = MATH if task is not strategy_qa else SQA
+    out = evaluation.evaluate(None, tok, [example], task, loglik=loglik, batch_size=7)
+    assert (seen["first_logits"] is not None) == wants_logits and seen["batch_size"] == 7
+    assert ("acc_ll" in out) == wants_logits

@@ -101,6 +101,7 @@ class RunConfig:
     eval_gen_size: int = field(default=0, metadata=_meta("items of the evaluated set also answered by generation (0 = all); log-likelihood scores all", min=0))
     round0_from: str | None = field(default=None, metadata=_meta("run directory whose round-0 evaluation is reused when model, task, data and evaluation settings match and both start adapters are the identity (LoRA B = 0); `fedspear compare` sets it"))
     eval_generation: bool = field(default=True, metadata=_meta("also measure greedy-generation accuracy"))
+    eval_batch_size: int = field(default=32, metadata=_meta("held-out items generated (or scored) together; larger batches answer faster on a CPU, padding may shift a bf16 answer by a token", min=1, max=1024))
     # data and output
     train_size: int = field(default=0, metadata=_meta("train items partitioned over clients (0 = the whole split)", min=0))
     data_dir: str | None = field(default=None, metadata=_meta("folder with full offline copies (laid out like shared/data)"))

@@ -151,11 +151,13 @@ def evaluate(model, tokenizer, examples: Sequence[Example], task, *, dtype_used:
             out["n_gen"] = len(generated)
         examples_all, examples = examples, generated
         contexts = [render(tokenizer, [task.prompt(ex)]) for ex in examples]
-        first: list[torch.Tensor] = []
+        # the first step's logits serve log-likelihood scoring; asking for them keeps every step's [B, V] logits
+        # until the batch ends (≈ 5 GB for 32 answers of 256 tokens with a 152k vocabulary), so only when scored
+        first: list[torch.Tensor] | None = [] if loglik and task.MULTIPLE_CHOICE else None
         completions = generate(model, tokenizer, contexts, max_new_tokens=max_new_tokens or task.MAX_NEW_TOKENS,
                                dtype_used=dtype_used, do_sample=False, batch_size=batch_size, first_logits=first)
         predictions = [ex.labels[int(logits[label_token_ids(tokenizer, ex.labels)].argmax())]
-                       for logits, ex in zip(first, examples)]
+                       for logits, ex in zip(first or [], examples)]
         answers = [task.extract_answer(tokenizer.decode(c, skip_special_tokens=True), ex)
                    for c, ex in zip(completions, examples)]
         outcomes = "".join("1" if a == ex.gold else "0" for a, ex in zip(answers, examples))

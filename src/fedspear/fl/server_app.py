@@ -65,12 +65,13 @@ class Evaluator:
         set_adapter(self.model, arrays)
         return evaluate(self.model, self.tokenizer, self.examples, self.task, dtype_used=self.dtype_used,
                         generation=self.cfg.eval_generation, max_new_tokens=self.cfg.max_new_tokens,
-                        generation_size=self.cfg.eval_gen_size)
+                        generation_size=self.cfg.eval_gen_size, batch_size=self.cfg.eval_batch_size)
 
 
 # settings that decide the round-0 evaluation (the base model's answers on the fixed held-out subset)
 ROUND0_KEYS = ("model", "dtype", "task", "data_dir", "data_source", "skip_bad_records", "eval_size",
-               "eval_gen_size", "eval_generation", "max_new_tokens", "lora_r", "lora_alpha", "last_layers")
+               "eval_gen_size", "eval_generation", "eval_batch_size", "max_new_tokens", "lora_r", "lora_alpha",
+               "last_layers")
 
 
 def _is_identity(arrays: dict[str, np.ndarray]) -> bool:

@@ -243,3 +243,22 @@ def test_a_finished_grid_gains_a_seed_without_rerunning_its_cells(tmp_path, monk
     assert "\nround0_from =" not in (out / "cells" / "arc_challenge-spear-s2" / "cell.toml").read_text()
     with pytest.raises(ConfigError, match=r"another grid \(differs in: seeds\)"):
         compare_module.run_grid(Grid(**{**grid.to_dict(), "seeds": [0, 2]}), out)
+
+
+def test_cpu_qwen_sqa_preset_has_the_issue_shape():
+    """Issue 17: StrategyQA, six rows (both OPSD variants), seeds 0–2, N = 2, the paper's StrategyQA lr 1e-4 → 5e-5,
+    τ 24, temperature 0.8, the authors' 256 tokens, generation on ≥ 500 fixed test items at round 0 and the end."""
+    grid = PRESETS["cpu-qwen1.5b-sqa"]
+    cells = grid.cells(Path("x"))
+    assert grid.tasks == ["strategy_qa"] and grid.seeds == [0, 1, 2] and len(cells) == 18
+    assert {(c.config.algorithm, c.config.opsd_variant) for c in cells if c.algorithm.startswith("opsd")} == {
+        ("opsd", "original"), ("opsd", "authors")}
+    for cell in cells:
+        cfg = cell.config
+        assert cfg.model == "qwen2.5-coder-1.5b" and cfg.max_revisions == 2
+        assert (cfg.lr, cfg.lr_min, cfg.tau, cfg.temperature, cfg.max_new_tokens) == (1e-4, 5e-5, 24, 0.8, 256)
+        assert cfg.eval_size >= 500 and cfg.eval_every == cfg.rounds and cfg.eval_generation
+    from fedspear.algorithms import grpo
+
+    settings = grpo.settings(next(c.config for c in cells if c.algorithm == "grpo"))
+    assert (settings.group_size, settings.beta) == (2, 0.1)  # the paper's StrategyQA GRPO table

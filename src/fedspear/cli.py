@@ -194,7 +194,7 @@ def _run(cfg: RunConfig, verbose: bool) -> None:
 
 @app.command()
 def compare(
-    preset: Optional[str] = typer.Option(None, help="a built-in grid: cpu-small | cpu-qwen1.5b | paper | tiny"),
+    preset: Optional[str] = typer.Option(None, help="a built-in grid: cpu-small | cpu-qwen1.5b | cpu-qwen1.5b-sqa | paper | tiny"),
     grid_file: Optional[Path] = typer.Option(None, "--grid", help="TOML grid (tasks, algorithms, seeds, [axes], [base])"),
     tasks: Optional[str] = typer.Option(None, help="comma-separated tasks (overrides the preset's)"),
     algorithms: Optional[str] = typer.Option(None, help="comma-separated algorithms (overrides the preset's)"),

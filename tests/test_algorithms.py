@@ -2,32 +2,17 @@
 
 from __future__ import annotations
 
-import dataclasses
 
 import numpy as np
 import pytest
-import torch
 
 from fedspear.algorithms import ALGORITHMS, feedback_sft, get_algorithm, grpo, opsd, rltf_sd, spear
 from fedspear.client import Worker
 from fedspear.config import RunConfig
-from fedspear.model import get_adapter, set_adapter
+from fedspear.model import get_adapter
 from fedspear.tasks import get_task
 
-
-def make_worker(**overrides) -> Worker:
-    cfg = RunConfig(model="tiny-random", num_clients=2, clients_per_round=1, rollouts_per_round=3, local_steps=2,
-                    batch_size=2, lr=1e-2, max_new_tokens=4, lora_r=4, lora_alpha=8, lora_dropout=0.0,
-                    train_size=40, **overrides)
-    return Worker.load(cfg)
-
-
-def nonzero_start(worker: Worker) -> dict[str, np.ndarray]:
-    """A start adapter with non-zero B (so every LoRA tensor receives a gradient)."""
-    rng = np.random.default_rng(0)
-    start = {k: (v + 0.05 * rng.standard_normal(v.shape)).astype(v.dtype) for k, v in get_adapter(worker.model).items()}
-    set_adapter(worker.model, start)
-    return start
+from helpers import Alternate, make_worker, nonzero_start
 
 
 def moved(worker: Worker, start: dict[str, np.ndarray]) -> float:
@@ -69,7 +54,6 @@ def test_spear_with_lambda_l_zero_equals_feedback_sft(arc_items, scripted):
     results = {}
     for name, algo, lam in [("spear0", spear, 0.0), ("sft", feedback_sft, 0.1), ("spear", spear, 0.1)]:
         worker = make_worker(lambda_l=lam, max_revisions=2, mu=1e-9)
-        worker.cfg = worker.cfg.resolved()
         start = nonzero_start(worker)
         metrics = algo.client_round(worker, items, lr=1e-2, seed=7, feedback=scripted(script))
         assert metrics["num-wins"] == 2 and metrics["num-losses"] == 2 and metrics["weight"] == 2
@@ -83,36 +67,19 @@ def test_grpo_uniform_rewards_leave_the_adapter_unchanged(arc_items, always_righ
     """Every sample right → every group has zero advantage, so without the KL term (β = 0) the surrogate has zero
     gradient and the adapter does not move (with β > 0 the KL pulls it toward the base model). Counters: P·G."""
     worker = make_worker(algorithm="grpo", kl_beta=0.0)
-    worker.cfg = worker.cfg.resolved()
     start = nonzero_start(worker)
     m = grpo.client_round(worker, arc_items[:3], lr=1e-2, seed=1, feedback=always_right)
     assert m["generations"] == 3 * 4 and m["weight"] == 3 and m["zero_advantage_groups"] == 3
     assert m["steps"] == 2 and m["loss_pg"] == 0.0
     assert moved(worker, start) == 0.0
     worker = make_worker(algorithm="grpo")
-    worker.cfg = worker.cfg.resolved()
     start = nonzero_start(worker)
     m = grpo.client_round(worker, arc_items[:3], lr=1e-2, seed=1, feedback=always_right)
     assert m["loss_pg"] == 0.0 and m["kl"] > 0 and moved(worker, start) > 1e-5
 
 
-class Alternate:
-    """Every other sampled answer is right (so every GRPO group of 4 has mixed rewards)."""
-
-    def __init__(self):
-        self.n = 0
-
-    def is_correct(self, example, completion):
-        self.n += 1
-        return self.n % 2 == 0
-
-    def feedback(self, example, completion):
-        return "Incorrect. Hint: think again."
-
-
 def test_grpo_mixed_rewards_train(arc_items):
     worker = make_worker(algorithm="grpo")
-    worker.cfg = worker.cfg.resolved()
     start = nonzero_start(worker)
     m = grpo.client_round(worker, arc_items[:3], lr=1e-2, seed=1, feedback=Alternate())
     assert m["initial_correct"] == 6 and m["num-wins"] == 6 and m["zero_advantage_groups"] == 0
@@ -128,7 +95,6 @@ def test_opsd_privileged_context_and_training(arc_items, always_right):
     assert f"the correct answer is {ex.gold}." in text and ex.question in text
     for variant in ("original", "authors"):
         worker = make_worker(algorithm="opsd", opsd_variant=variant)
-        worker.cfg = worker.cfg.resolved()
         start = nonzero_start(worker)
         m = opsd.client_round(worker, arc_items[:3], lr=1e-2, seed=2, feedback=always_right)
         assert m["generations"] == 3 and m["weight"] == 3 and m["steps"] == 2 and m["loss"] > 0
@@ -138,7 +104,6 @@ def test_opsd_privileged_context_and_training(arc_items, always_right):
 def test_rltf_sd_revises_only_wrong_samples(arc_items, scripted):
     """Sample 0 of each prompt right (early termination), the rest wrong: revisions = P·(N − 1)."""
     worker = make_worker(algorithm="rltf_sd")
-    worker.cfg = worker.cfg.resolved()
     start = nonzero_start(worker)
     items = arc_items[:2]
     # is_correct call order: the P·N first-turn samples (prompt-major), then each revision

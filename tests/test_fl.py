@@ -114,7 +114,6 @@ def test_no_raw_text_leaves_the_client(monkeypatch):
 
     from fedspear.fl import client_app
     from fedspear.interaction import interact as real_interact
-    from fedspear.tasks import arc_challenge
 
     seen: list[str] = []
 

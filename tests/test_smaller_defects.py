@@ -6,7 +6,6 @@ from __future__ import annotations
 import copy
 import dataclasses
 
-import numpy as np
 import pytest
 import torch
 
@@ -16,27 +15,11 @@ from fedspear.config import RunConfig
 from fedspear.evaluation import label_token_ids, loglik_predictions, next_token_logits
 from fedspear.interaction import render
 from fedspear.tasks import arc_challenge, hellaswag, math_mcqa, strategy_qa
-from fedspear.client import Worker
-from fedspear.model import get_adapter, set_adapter
 from fedspear.training import dropout_modules
 
+from helpers import Alternate, make_worker, nonzero_start
+
 TOL = 1e-5
-
-
-def make_worker(**overrides) -> Worker:
-    """A tiny-model worker (as in test_algorithms) with a resolved config; ``lora_dropout`` 0 unless overridden."""
-    settings = dict(model="tiny-random", num_clients=2, clients_per_round=1, rollouts_per_round=3, local_steps=2,
-                    batch_size=2, lr=1e-2, max_new_tokens=4, lora_r=4, lora_alpha=8, lora_dropout=0.0, train_size=40)
-    worker = Worker.load(RunConfig(**{**settings, **overrides}))
-    worker.cfg = worker.cfg.resolved()
-    return worker
-
-
-def nonzero_start(worker: Worker) -> None:
-    """Perturb every LoRA tensor (B = 0 at initialisation would make the LoRA path, and its dropout, inert)."""
-    rng = np.random.default_rng(0)
-    set_adapter(worker.model, {k: (v + 0.05 * rng.standard_normal(v.shape)).astype(v.dtype)
-                               for k, v in get_adapter(worker.model).items()})
 
 
 @pytest.fixture(scope="module")
@@ -169,20 +152,6 @@ def test_opsd_round_uses_the_variant_t2_scaling(arc_items, always_right, monkeyp
 # ----------------------------------------------------------------------------------------------------------------------
 # GRPO / RLTF-SD: the live forward and the old / reference log-probs share the dropout mode
 # ----------------------------------------------------------------------------------------------------------------------
-
-
-class Alternate:
-    """Every other sampled answer is right (mixed rewards, so the surrogate has a gradient)."""
-
-    def __init__(self):
-        self.n = 0
-
-    def is_correct(self, example, completion):
-        self.n += 1
-        return self.n % 2 == 0
-
-    def feedback(self, example, completion):
-        return "Incorrect. Hint: think again."
 
 
 def first_step_ratios(algorithm, arc_items, monkeypatch, *, dropout: bool | None = None) -> torch.Tensor:

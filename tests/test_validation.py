@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from flwr.app import ArrayRecord, Error, Message, MessageType, MetricRecord, RecordDict
+from flwr.app import Error, Message, MessageType, MetricRecord, RecordDict
 
 from fedspear.fl.strategy import WinWeightedFedAvg, from_record, to_record
 from fedspear.validation import check_reply, update_norm

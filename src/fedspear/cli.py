@@ -145,6 +145,8 @@ def _run(cfg: RunConfig, verbose: bool) -> None:
         f"{cfg.rounds} rounds · {cfg.num_clients} clients ({cfg.clients_per_round}/round) · "
         f"{cfg.rollouts_per_round} rollouts · N={cfg.max_revisions} · μ={cfg.mu} τ={resolved.tau} "
         f"λ_w={cfg.lambda_w} λ_l={cfg.lambda_l} · seed {cfg.seed} → {cfg.output_dir}"
+        + (f" · DP {cfg.dp}-side C={cfg.dp_clip_norm:g} z={cfg.dp_noise_multiplier:g} δ={cfg.dp_delta:g}"
+           if cfg.dp != "off" else "")
     )
     if done is not None:
         console.print(f"resuming after round {done}", soft_wrap=True)
@@ -166,6 +168,8 @@ def _run(cfg: RunConfig, verbose: bool) -> None:
                 f"round {record['round']}: wins {record['wins']} losses {record['losses']} revisions "
                 f"{record['revisions_successful']}/{record['revisions_attempted']} initial acc "
                 f"{(initial_accuracy(record) or 0):.2f}  {acc}  ({record['seconds']['round']:.0f} s)"
+                + (f"  ε {'∞' if record['dp_epsilon'] is None else format(record['dp_epsilon'], '.3f')} "
+                   f"(δ {record['dp_delta']:g})" if "dp_releases" in record else "")
             )
             progress.update(bar, completed=record["round"])
 

@@ -348,10 +348,50 @@ def test_reported_epsilon_equals_the_accountant_and_survives_a_resume(tmp_path):
         _resume_ledger(_private(cfg)[1], run, 3, {"round": 3, "dp_releases": 3})
 
 
+def test_a_resumed_adapter_is_packed_in_the_models_order(tmp_path):
+    """safetensors gives a saved adapter back in its own order; seeded noise is drawn over the flat buffer, so a
+    resumed run must pack in the model's order to add the same noise to the same tensors as an uninterrupted one
+    (found by the slow test below: before this, its round 2 differed after a resume)."""
+    from fedspear.fl.server_app import in_model_order
+
+    model = {"z.lora_A": np.zeros(2, np.float32), "a.lora_B": np.ones(3, np.float32)}
+    run = RunDir(tmp_path)
+    run.save_adapter(1, model, None)
+    assert list(run.load_adapter(1)) == ["a.lora_B", "z.lora_A"]  # the file's order, not the model's
+    loaded = in_model_order(run.load_adapter(1), model, "here")
+    assert list(loaded) == ["z.lora_A", "a.lora_B"] and layout_of(loaded) == layout_of(model)
+    with pytest.raises(RunDirError, match="tensors differ from the model's"):
+        in_model_order({"z.lora_A": model["z.lora_A"]}, model, "here")
+
+
 def test_zero_noise_reports_infinite_epsilon():
     ledger = PrivacyLedger(_cfg(dp_noise_multiplier=0.0))
     ledger.release()
     assert ledger.epsilon == math.inf and ledger.record()["dp_epsilon"] is None and ledger.record()["dp_sigma"] == 0
+
+
+def test_report_shows_the_dp_settings_and_epsilon_per_round(tmp_path):
+    """report.md names the clipping side, C, z, σ and the last ε; the per-round table gains an ε column (∞ for
+    z = 0); without DP neither appears."""
+    from fedspear.report import write_report
+
+    def record(r, eps):
+        return {"round": r, "lr": 1e-4, "prompts": 4, "wins": 1, "losses": 2, "revisions_successful": 0,
+                "revisions_attempted": 1, "tokens_generated": 10, "initial_correct": 1, "initial_samples": 4,
+                "seconds": {"generate_initial": 1.0, "generate_revisions": 0.5, "train": 1.0, "evaluate": 0.0,
+                            "flower_overhead": 0.1, "round": 3.0},
+                "eval": None, "wall_clock": 3.0 * r, "dp_epsilon": eps, "dp_delta": 1e-5, "dp_releases": r}
+    zero = {"round": 0, "eval": {"n": 4, "acc_ll": 0.5, "acc_ll_low": 0.1, "acc_ll_high": 0.9}, "wall_clock": 0.0,
+            "seconds": {"evaluate": 1.0}}
+    cfg = _cfg(dp="client", num_clients=8, clients_per_round=4, dp_clip_norm=0.5, dp_noise_multiplier=2.0)
+    text = write_report(tmp_path, [zero, record(1, 4.7285), record(2, 7.0774)], cfg, dtype="fp32").read_text()
+    assert "**client-side clipping**, C = 0.5, z = 2, σ = z·C/4 = 0.25; **ε = 7.077 at δ = 1e-05** after 2" in text
+    assert "| ε |" in text and "| 4.729 |" in text and "dp_noise_seed = 7" in text
+    text = write_report(tmp_path, [zero, record(1, None)], _cfg(dp_noise_multiplier=0.0), dtype="fp32").read_text()
+    assert "**ε = ∞ at δ = 1e-05**" in text and "| ∞ |" in text
+    plain = write_report(tmp_path, [zero, {k: v for k, v in record(1, 1.0).items() if not k.startswith("dp_")}],
+                         RunConfig(model="tiny-random"), dtype="fp32").read_text()
+    assert "ε" not in plain and "differential privacy" not in plain
 
 
 # ---- (d, e) end to end ---------------------------------------------------------------------------------------------
@@ -367,7 +407,8 @@ def test_a_tiny_dp_run_reports_rising_epsilon_and_resumes_to_the_same_adapter(tm
     """Two rounds of dp = client on the tiny model through the Flower simulation engine (seeded noise, so the
     resume can be compared): every round records ε (rising), σ = z·C/m and its releases; report.md shows ε. Then
     round 2 is undone (its metrics line and adapter removed, as a kill after round 1 leaves the directory) and the
-    same command redoes it: the same adapter and the same ε."""
+    same command redoes it: the same adapter and the same ε. (The tiny random model wins nothing, so its SPEAR
+    clients send exact-zero updates, which also exercises the zero-update path of ``dp_clipping_mod``.)"""
     from safetensors.numpy import load_file
 
     out = tmp_path / "run"

@@ -78,6 +78,12 @@ def preflight(cfg: RunConfig) -> None:
     dirichlet_partitions(train[:n], cfg.num_clients, cfg.dirichlet_alpha, cfg.seed, cfg.partitioner)
     if cfg.model != TINY_MODEL:
         resolve_model_dir(cfg.model)
+    if cfg.dp != "off":
+        import importlib.util
+
+        if importlib.util.find_spec("dp_accounting") is None:
+            raise ConfigError(f'dp = "{cfg.dp}" reports ε with Flower\'s privacy accountant, which needs '
+                              f'dp-accounting: pip install "flwr[dp]"')
     run = RunDir(cfg.output_dir)
     run.check_or_write_config(cfg.resolved())
     run.verify()

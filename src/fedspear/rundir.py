@@ -5,7 +5,9 @@ Layout::
     <output_dir>/
       config.toml              resolved run config (every key)
       metrics.jsonl            one JSON line per completed round (round 0 = evaluation before training)
-      adapters/round_NNNN/     adapter_model.safetensors + adapter_config.json (loadable with peft)
+      adapters/round_NNNN/     adapter_model.safetensors + adapter_config.json (loadable with peft); beside them
+                               the server optimiser's moments (server_state.safetensors, FedAdam / FedYogi) and the
+                               privacy accountant's state (privacy_accountant.json, dp = client / server)
       partitions.json          the simulated clients' split: rule, α, seed, size and label counts per partition
       report.md, plots/*.png   written at the end (and on every resume)
 

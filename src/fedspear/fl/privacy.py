@@ -47,9 +47,10 @@ DP) they would be noised after a nonlinear step whose moments carry un-noised av
 guarantee. Robust rules (median, trimmed mean) are refused: σ = z·C/m is not calibrated for them (``config.py``).
 
 **Workaround (zero updates).** Flower 1.41's flat clipping divides C by the update's norm
-(``clip_inputs_inplace``, ``flwr/supercore/differential_privacy.py:55``), so an update that is exactly zero — a
-client with nothing to train on returns θ^(t) unchanged — raises ZeroDivisionError: in the client mod (the client
-becomes an error reply) and in the server-side wrapper (the ServerApp crashes). A zero update is within any bound
+(``clip_inputs_inplace``, ``flwr/supercore/differential_privacy.py:55``; open upstream fix flwrlabs/flower#7631), so
+an update that is exactly zero — a client with nothing to train on returns θ^(t) unchanged — raises
+ZeroDivisionError: in the client mod (the client becomes an error reply) and in the server-side wrapper (the
+ServerApp crashes). A zero update is within any bound
 and adds nothing to the fixed-denominator sum, so fedspear lets it bypass the clipping: ``dp_clipping_mod`` returns
 such a reply unclipped, and ``PrivateRounds`` hands such replies to the inner strategy directly
 (``WinWeightedFedAvg.extra_replies``) instead of through the server-side wrapper's clipping loop. The round is

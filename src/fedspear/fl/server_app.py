@@ -221,6 +221,21 @@ def empty_round_error(server_round: int, reasons: list[str], dropped: bool, stre
     )
 
 
+def in_model_order(arrays: dict[str, np.ndarray], model_arrays: dict[str, np.ndarray], where) -> dict[str, np.ndarray]:
+    """``arrays`` (a saved adapter; safetensors returns its own tensor order) in the model's tensor order.
+
+    The order fixes the flat buffer that travels (``to_record``) and so which value each draw of Flower's DP noise
+    lands on: a resumed run must pack as an uninterrupted one does for seeded noise to repeat (``dp_noise_seed``).
+
+    Raises:
+        RunDirError: the saved adapter's tensor names differ from the model's (names ``where``).
+    """
+    if set(arrays) != set(model_arrays):
+        diff = sorted(set(arrays) ^ set(model_arrays))
+        raise RunDirError(f"{where}: the saved adapter's tensors differ from the model's ({diff[:3]}); cannot resume")
+    return {name: arrays[name] for name in model_arrays}
+
+
 def _resume_ledger(private: PrivateRounds, run: RunDir, last: int, last_record: dict) -> None:
     """Continue the privacy ledger saved with round ``last``'s adapter (the ε of a resumed run continues).
 
@@ -258,11 +273,20 @@ def run_server(grid: Grid, cfg: RunConfig, on_round: Callable[[dict], None] | No
     run = RunDir(cfg.output_dir)
     run.check_or_write_config(cfg)
     record_partitions(run, cfg)
+    strategy = WinWeightedFedAvg(
+        cfg.clients_per_round, cfg.num_clients, seed=cfg.seed, max_update_norm=reply_norm_bound(cfg),
+        rule=cfg.aggregation, trim_beta=cfg.trim_beta,
+        server_opt=cfg.strategy if cfg.strategy in ("fedadam", "fedyogi") else None, server_lr=cfg.server_lr,
+        beta1=cfg.server_beta1, beta2=cfg.server_beta2, tau=cfg.server_tau,
+        dp_denominator=cfg.clients_per_round if cfg.dp != "off" else None,
+    )
+    # before the model loads: a missing privacy accountant (flwr[dp]) stops the run here, not after round 0
+    private = PrivateRounds(strategy, cfg) if cfg.dp != "off" else None
     evaluator = Evaluator(cfg)
     records = run.records()
     if records:
         last = records[-1]["round"]
-        arrays = run.load_adapter(last)
+        arrays = in_model_order(run.load_adapter(last), evaluator.initial_adapter(), run.adapter_dir(last))
         wall = records[-1].get("wall_clock", 0.0)
         log.info("resuming %s after round %d", cfg.output_dir, last)
     else:
@@ -279,17 +303,9 @@ def run_server(grid: Grid, cfg: RunConfig, on_round: Callable[[dict], None] | No
         if on_round:
             on_round(record)
 
-    strategy = WinWeightedFedAvg(
-        cfg.clients_per_round, cfg.num_clients, seed=cfg.seed, max_update_norm=reply_norm_bound(cfg),
-        rule=cfg.aggregation, trim_beta=cfg.trim_beta,
-        server_opt=cfg.strategy if cfg.strategy in ("fedadam", "fedyogi") else None, server_lr=cfg.server_lr,
-        beta1=cfg.server_beta1, beta2=cfg.server_beta2, tau=cfg.server_tau,
-        dp_denominator=cfg.clients_per_round if cfg.dp != "off" else None,
-    )
     saved_state = run.load_server_state(last) if last else None
     if saved_state:
         strategy.opt_state = arrays_to_state(saved_state)
-    private = PrivateRounds(strategy, cfg) if cfg.dp != "off" else None
     if private is not None and last:
         _resume_ledger(private, run, last, records[-1])
     strategy.partition_of = discover_partitions(grid, cfg.num_clients)

@@ -17,14 +17,14 @@ arXiv:1710.06963, the DP-FedAvg that ``flwr/serverapp/strategy/dp_fixed_clipping
 
 The guarantee is client-level (ε, δ)-DP of the sequence of global adapters, with add-or-remove-one-client
 neighbours. It does **not** cover what fedspear writes beside the adapter: each client's counters (wins, losses,
-prompts, tokens, losses of the loss terms) travel in the clear and are logged in ``metrics.jsonl``, nor which clients
+prompts, tokens, loss values) travel in the clear and are logged in ``metrics.jsonl``, nor which clients
 replied or were rejected. Server-side evaluation only post-processes the released adapters.
 
 **Decision (weights under DP).** Equal weights with a fixed denominator m = ``clients_per_round``: each accepted
 client whose reply weight (win count for SPEAR and Feedback SFT) is > 0 adds clip(Δ_k)/m. One client then moves the
 average by at most C/m whatever the others send, which is what σ = z·C/m is calibrated for and the only mode
 Flower's own accounting accepts (it requires equal weights and ``FedAvg.aggregate_train``). The paper's
-win-weighted mean Σ w_k θ_k / Σ w_k is refused under DP: a client holding most of the wins moves it by up to ~2C,
+win-weighted mean Σ w_k θ_k / Σ w_k is not used under DP: a client holding most of the wins moves it by up to ~2C,
 so with Flower's σ the effective noise multiplier would be up to ~2m times smaller than z, and the win counts that
 set the weights are themselves data the mechanism does not protect. A client with no win still contributes nothing
 (as in the win-weighted mean); that decision reads its own reply only, so it keeps the bound.
@@ -50,15 +50,17 @@ guarantee. Robust rules (median, trimmed mean) are refused: σ = z·C/m is not c
 (``clip_inputs_inplace``, ``flwr/supercore/differential_privacy.py:55``; open upstream fix flwrlabs/flower#7631), so
 an update that is exactly zero — a client with nothing to train on returns θ^(t) unchanged — raises
 ZeroDivisionError: in the client mod (the client becomes an error reply) and in the server-side wrapper (the
-ServerApp crashes). A zero update is within any bound
-and adds nothing to the fixed-denominator sum, so fedspear lets it bypass the clipping: ``dp_clipping_mod`` returns
-such a reply unclipped, and ``PrivateRounds`` hands such replies to the inner strategy directly
-(``WinWeightedFedAvg.extra_replies``) instead of through the server-side wrapper's clipping loop. The round is
-released (noised and composed) exactly as if Flower had clipped them.
+ServerApp crashes). A zero update is within any bound and adds nothing to the fixed-denominator sum, so fedspear
+lets it bypass the clipping: ``dp_clipping_mod`` returns such a reply unclipped, and ``PrivateRounds`` hands such
+replies to the inner strategy directly (``WinWeightedFedAvg.extra_replies``) instead of through the server-side
+wrapper's clipping loop. The round is released (noised and composed) exactly as if Flower had clipped them.
 
 **Decision (client-side clipping, checked by the server).** Under ``dp = "client"`` the server rejects a reply whose
 update norm exceeds C·(1 + ``NORM_SLACK``): a node running a ClientApp without the mod would otherwise void the
-guarantee silently. The slack covers float32 rounding of θ^(t) + clip(Δ) − θ^(t) (about 1e-7 of ‖θ‖ per value).
+guarantee silently. The slack covers float32 arithmetic: the mod measures the norm in float32 (pairwise sums,
+relative error about 1e-6 for millions of values) and sends θ^(t) + clip(Δ) rounded to float32, which moves the
+update's norm by at most 2⁻²⁴·‖θ^(t)‖₂ ≈ 6e-8·‖θ^(t)‖₂, below 1e-3·C whenever C ≥ 6e-5·‖θ^(t)‖₂ (pick C
+above that, or honest clients are rejected).
 
 **Decision (accounting).** ``SamplingMethod.NO_AMPLIFICATION`` with ``ADD_OR_REMOVE_ONE``: fedspear's client sample
 is ``random.Random(seed·1000003 + round)`` over the nodes (``WinWeightedFedAvg.sample``), and the seed is in the

@@ -168,7 +168,7 @@ def test_client_app_rounds_run_in_the_node_worker_and_load_the_model_once(tmp_pa
     from flwr.app import ConfigRecord, Context, Message, MessageType, RecordDict
 
     from fedspear.fl import client_app, node_worker
-    from fedspear.fl.strategy import from_record, to_record
+    from fedspear.fl.strategy import LAYOUT_KEY, from_record, layout_of, to_record
 
     monkeypatch.setattr(client_module, "make_feedback", lambda task, *args, **kwargs: always_right)
     address, key = f"127.0.0.1:{_free_port()}", tmp_path / "worker.key"
@@ -195,14 +195,14 @@ def test_client_app_rounds_run_in_the_node_worker_and_load_the_model_once(tmp_pa
         msg = Message(content=RecordDict({
             "arrays": to_record(arrays),
             "config": ConfigRecord({"server-round": server_round, "lr": 1e-3,
-                                    "fedspear-config": json.dumps(cfg.to_dict())})}),
+                                    "fedspear-config": json.dumps(cfg.to_dict()), LAYOUT_KEY: layout_of(arrays)})}),
             dst_node_id=1, message_type=MessageType.TRAIN)
         reply = client_app.train(msg, context)
         metrics = dict(reply.content["metrics"])
         assert metrics["worker_pid"] == os.getpid() and metrics["model_loads"] == 1
         assert metrics["partition-id"] == 0 and metrics["prompts"] == 2
         assert (metrics["seconds_load_model"] > 0) == (server_round == 1)
-        arrays = from_record(reply.content["arrays"])
+        arrays = from_record(reply.content["arrays"], layout_of(arrays))
         assert all(np.isfinite(v).all() for v in arrays.values())
     assert node_worker.ping(address, key)["model_loads"] == 1
 

@@ -9,7 +9,7 @@ import pytest
 from flwr.app import ConfigRecord, Context, Message, MessageType, MetricRecord, RecordDict
 
 from fedspear.config import RunConfig
-from fedspear.fl.strategy import WinWeightedFedAvg, from_record, to_record
+from fedspear.fl.strategy import LAYOUT_KEY, WinWeightedFedAvg, from_record, layout_of, to_record
 
 pytestmark = pytest.mark.usefixtures("task_identity")
 
@@ -30,14 +30,14 @@ def _reply(delta: float, wins: int, base: np.ndarray) -> Message:
 def test_win_weighted_fedavg_through_the_strategy(wins, expected_delta):
     base = np.arange(6, dtype=np.float32).reshape(2, 3)
     strategy = WinWeightedFedAvg(clients_per_round=3, min_available_nodes=3)
-    strategy.current_arrays = to_record({"w": base})
+    strategy.current_arrays, strategy.current_layout = to_record({"w": base}), layout_of({"w": base})
     replies = [_reply(d, w, base) for d, w in zip((1.0, 10.0, 100.0), wins)]
     arrays, metrics = strategy.aggregate_train(1, replies)
-    out = from_record(arrays)["w"]
+    out = from_record(arrays, layout_of({"w": base}))["w"]
     np.testing.assert_allclose(out, base + expected_delta, rtol=0, atol=1e-5)
     assert metrics["num-wins"] == sum(wins)
     out[0, 0] = -1  # the result is a copy, not a view of any reply
-    assert from_record(replies[0].content["arrays"])["w"][0, 0] == base[0, 0] + 1.0
+    assert from_record(replies[0].content["arrays"], layout_of({"w": base}))["w"][0, 0] == base[0, 0] + 1.0
 
 
 def test_sampling_is_seeded_and_waits_boundedly():
@@ -71,14 +71,15 @@ def test_client_app_replies_with_adapter_copies_and_counters(monkeypatch, always
     msg = Message(
         content=RecordDict({
             "arrays": to_record(start),
-            "config": ConfigRecord({"server-round": 1, "lr": 1e-2, "fedspear-config": json.dumps(cfg.to_dict())}),
+            "config": ConfigRecord({"server-round": 1, "lr": 1e-2, "fedspear-config": json.dumps(cfg.to_dict()),
+                                    LAYOUT_KEY: layout_of(start)}),
         }),
         dst_node_id=1, message_type=MessageType.TRAIN,
     )
     context = Context(run_id=1, node_id=1, node_config={"partition-id": 1, "num-partitions": 2}, state=RecordDict(),
                       run_config={})
     reply = client_app.train(msg, context)
-    arrays = from_record(reply.content["arrays"])
+    arrays = from_record(reply.content["arrays"], layout_of(start))
     metrics = dict(reply.content["metrics"])
     assert set(arrays) == set(start)
     assert all(not np.array_equal(arrays[k], start[k]) for k in start)
@@ -94,7 +95,8 @@ def test_client_app_replies_with_adapter_copies_and_counters(monkeypatch, always
         for p in worker.model.parameters():
             if p.requires_grad:
                 p.zero_()
-    assert all(not np.array_equal(from_record(reply.content["arrays"])[k], 0) for k in arrays if "lora_A" in k)
+    assert all(not np.array_equal(from_record(reply.content["arrays"], layout_of(start))[k], 0)
+               for k in arrays if "lora_A" in k)
 
 
 def test_partition_id_out_of_range_is_a_clear_error():
@@ -131,10 +133,12 @@ def test_no_raw_text_leaves_the_client(monkeypatch):
     worker = client_app.get_worker(cfg)
     from fedspear.model import get_adapter
 
+    start = get_adapter(worker.model)
     msg = Message(
         content=RecordDict({
-            "arrays": to_record(get_adapter(worker.model)),
-            "config": ConfigRecord({"server-round": 1, "lr": 1e-3, "fedspear-config": json.dumps(cfg.to_dict())}),
+            "arrays": to_record(start),
+            "config": ConfigRecord({"server-round": 1, "lr": 1e-3, "fedspear-config": json.dumps(cfg.to_dict()),
+                                    LAYOUT_KEY: layout_of(start)}),
         }),
         dst_node_id=1, message_type=MessageType.TRAIN,
     )
@@ -142,8 +146,8 @@ def test_no_raw_text_leaves_the_client(monkeypatch):
     reply = client_app.train(msg, context)
     assert set(reply.content.keys()) == {"arrays", "metrics"}
     assert not reply.content.config_records
-    assert set(reply.content["arrays"].keys()) == {"adapter", "adapter-layout"}  # packed: see test_adapter_packing
-    assert all(k.startswith("base_model.") and "lora_" in k for k in from_record(reply.content["arrays"]))
+    assert list(reply.content["arrays"].keys()) == ["adapter"]  # packed, layout in the config: test_adapter_packing
+    assert all(k.startswith("base_model.") and "lora_" in k for k in from_record(reply.content["arrays"], layout_of(start)))
     wire = recorddict_to_proto(reply.content).SerializeToString()
     texts = [t for t in seen if len(t.strip()) >= 12]
     assert texts, "the spy saw no text"
@@ -152,45 +156,50 @@ def test_no_raw_text_leaves_the_client(monkeypatch):
 
 
 def test_adapter_packing_round_trips_and_refuses_bad_layouts():
-    """``to_record`` sends one flat Array + layout (Flower moves each Array as its own objects); ``from_record``
-    restores names, order, shapes, dtype and values as copies, reads per-tensor records too, and refuses a layout
-    that does not match its buffer."""
+    """``to_record`` sends one flat float Array, its layout travels as JSON text (``layout_of``, in the train
+    config); ``from_record`` restores names, order, shapes, dtype and values as copies, reads per-tensor records
+    too, and refuses a layout that does not match its buffer."""
     from flwr.app import Array, ArrayRecord
 
     arrays = {"b.lora_B": np.zeros((3, 2), np.float32), "a.lora_A": np.arange(6, dtype=np.float32).reshape(2, 3),
               "s": np.float32(2.5).reshape(())}
-    record = to_record(arrays)
-    assert list(record.keys()) == ["adapter", "adapter-layout"] and list(record["adapter"].shape) == [13]  # 6 + 6 + 1 values
-    out = from_record(record)
+    record, layout = to_record(arrays), layout_of(arrays)
+    assert list(record.keys()) == ["adapter"] and list(record["adapter"].shape) == [13]  # 6 + 6 + 1 values
+    assert record["adapter"].dtype == "float32"  # only float data: Flower's DP clipping and noise can act on it
+    out = from_record(record, layout)
     assert list(out) == list(arrays)
     assert all(out[k].shape == arrays[k].shape and out[k].dtype == np.float32 for k in arrays)
     assert all(np.array_equal(out[k], arrays[k]) for k in arrays)
     out["a.lora_A"][0, 0] = -1  # a copy: neither the source nor the record changes
-    assert arrays["a.lora_A"][0, 0] == 0 and from_record(record)["a.lora_A"][0, 0] == 0
+    assert arrays["a.lora_A"][0, 0] == 0 and from_record(record, layout)["a.lora_A"][0, 0] == 0
     mixed = {"x": np.zeros(2, np.float32), "y": np.zeros(2, np.float64)}
+    assert layout_of(mixed) is None
     assert list(to_record(mixed).keys()) == ["x", "y"] and from_record(to_record(mixed))["y"].dtype == np.float64
-
-    def packed(flat, layout):
-        return ArrayRecord({"adapter": Array(flat), "adapter-layout": Array(np.frombuffer(layout.encode(), np.uint8).copy())})
+    with pytest.raises(ValueError, match="no layout given"):
+        from_record(record)
 
     flat = np.zeros(6, np.float32)
-    for layout, message in [
-        ('{"dtype": "float32", "tensors": [["w", [2, 2]]]}', "holds 4 values, the buffer 6"),
+    for bad, message in [
+        ('{"dtype": "float32", "tensors": [["w", [2, 2]]]}', "shapes hold 4 values, the buffer 6"),
         ('{"dtype": "float64", "tensors": [["w", [6]]]}', "layout says flat float64"),
         ('{"dtype": "float32", "tensors": [["w", [3]], ["w", [3]]]}', "repeated tensor names"),
         ('{"dtype": "float32", "tensors": [["w", [-6]]]}', "negative dimensions"),
         ("not json", "unreadable layout"),
     ]:
         with pytest.raises(ValueError, match=message):
-            from_record(packed(flat, layout))
+            from_record(ArrayRecord({"adapter": Array(flat)}), bad)
+    with pytest.raises(ValueError, match="expected the single Array 'adapter'"):
+        from_record(ArrayRecord({"adapter": Array(flat), "adapter-layout": Array(np.zeros(3, np.uint8))}),
+                    '{"dtype": "float32", "tensors": [["w", [6]]]}')
 
-    # the strategy excludes such a reply (with the reason) and aggregates the others
+    # the strategy decodes replies with the layout it broadcast: a reply of another size is excluded with the
+    # reason, the others are aggregated
     base = {"w": np.zeros(6, np.float32)}
     strategy = WinWeightedFedAvg(clients_per_round=2, min_available_nodes=2)
-    strategy.current_arrays = to_record(base)
+    strategy.current_arrays, strategy.current_layout = to_record(base), layout_of(base)
     good = _reply(1.0, 2, base["w"])
-    bad = Message(content=RecordDict({"arrays": packed(flat, "not json"), "metrics": MetricRecord(
+    bad = Message(content=RecordDict({"arrays": to_record({"w": np.zeros(5, np.float32)}), "metrics": MetricRecord(
         {"weight": 1, "num-wins": 1, "num-losses": 0, "prompts": 4})}), dst_node_id=0, message_type=MessageType.TRAIN)
     out, _ = strategy.aggregate_train(1, [good, bad])
-    np.testing.assert_allclose(from_record(out)["w"], 1.0)
-    assert list(strategy.rejected.values()) == ["packed adapter: unreadable layout (Expecting value: line 1 column 1 (char 0))"]
+    np.testing.assert_allclose(from_record(out, layout_of(base))["w"], 1.0)
+    assert list(strategy.rejected.values()) == ["packed adapter: the layout's tensor shapes hold 6 values, the buffer 5"]

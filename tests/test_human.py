@@ -10,7 +10,7 @@ import pytest
 from flwr.app import ConfigRecord, Context, Message, MessageType, RecordDict
 
 from fedspear.config import RunConfig
-from fedspear.fl.strategy import from_record, to_record
+from fedspear.fl.strategy import LAYOUT_KEY, from_record, layout_of, to_record
 from fedspear.human import HumanFeedback, as_example, client_round
 from fedspear.interaction import render
 from fedspear.model import get_adapter
@@ -156,10 +156,12 @@ def test_a_human_nodes_reply_carries_no_prompt_answer_or_hint(tmp_path):
     worker = client_app.get_worker(cfg)
     store = TraceStore(tmp_path / "traces.db")
     stored = fill(store, worker.tokenizer)
+    layout = layout_of(get_adapter(worker.model))
     msg = Message(
         content=RecordDict({
             "arrays": to_record(get_adapter(worker.model)),
-            "config": ConfigRecord({"server-round": 2, "lr": 1e-3, "fedspear-config": json.dumps(cfg.to_dict())}),
+            "config": ConfigRecord({"server-round": 2, "lr": 1e-3, "fedspear-config": json.dumps(cfg.to_dict()),
+                                    LAYOUT_KEY: layout}),
         }),
         dst_node_id=1, message_type=MessageType.TRAIN,
     )
@@ -169,7 +171,7 @@ def test_a_human_nodes_reply_carries_no_prompt_answer_or_hint(tmp_path):
     metrics = dict(reply.content["metrics"])
     assert metrics["human-trajectories"] == 3 and metrics["num-wins"] == 2
     assert set(reply.content.keys()) == {"arrays", "metrics"}
-    assert set(from_record(reply.content["arrays"])) == set(get_adapter(worker.model))
+    assert set(from_record(reply.content["arrays"], layout)) == set(get_adapter(worker.model))
     wire = recorddict_to_proto(reply.content).SerializeToString()
     texts = PROMPTS + list(HINTS.values()) + list(stored["texts"].values())
     leaked = [t for t in texts if t.encode() in wire or t[:20].encode() in wire]
@@ -179,7 +181,7 @@ def test_a_human_nodes_reply_carries_no_prompt_answer_or_hint(tmp_path):
     from safetensors.numpy import load_file
 
     saved = load_file(tmp_path / "global_adapter" / "adapter_model.safetensors")
-    assert len(saved) == len(from_record(reply.content["arrays"])) and (tmp_path / "global_adapter" /
+    assert len(saved) == len(from_record(reply.content["arrays"], layout)) and (tmp_path / "global_adapter" /
                                                                          "adapter_config.json").is_file()
     from fedspear.chat import ChatModel
 

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 from flwr.app import Message, MessageType, MetricRecord, RecordDict
 
-from fedspear.fl.strategy import WinWeightedFedAvg, from_record, to_record
+from fedspear.fl.strategy import WinWeightedFedAvg, from_record, layout_of, to_record
 from fedspear.rundir import RunDir
 from fedspear.server_opt import ServerOptState, arrays_to_state, fedadam_step, fedyogi_step, state_to_arrays
 
@@ -27,9 +27,10 @@ def test_server_optimiser_through_the_strategy(name, step):
     strategy = WinWeightedFedAvg(2, 2, server_opt=name, server_lr=0.01)
     ref_theta, ref_state = dict(theta), ServerOptState()
     for t, wins in enumerate([(1, 3), (0, 0), (2, 2)], start=1):
-        strategy.current_arrays = to_record(theta)
+        strategy.current_arrays, strategy.current_layout = to_record(theta), layout_of(theta)
         clients = [{"w": theta["w"] + rng.normal(size=(3, 4)).astype(np.float32)} for _ in wins]
-        out = from_record(strategy.aggregate_train(t, [_reply(c, w) for c, w in zip(clients, wins)])[0])
+        out = from_record(strategy.aggregate_train(t, [_reply(c, w) for c, w in zip(clients, wins)])[0],
+                          layout_of(theta))
         if sum(wins):  # the expected value: win-weighted mean, then one server step
             avg = {"w": (clients[0]["w"] * wins[0] + clients[1]["w"] * wins[1]) / sum(wins)}
             ref_theta, ref_state = step(ref_theta, avg, ref_state, eta=0.01, beta1=0.9, beta2=0.99, tau=0.005)

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 from flwr.app import Error, Message, MessageType, MetricRecord, RecordDict
 
-from fedspear.fl.strategy import WinWeightedFedAvg, from_record, to_record
+from fedspear.fl.strategy import WinWeightedFedAvg, from_record, layout_of, to_record
 from fedspear.validation import check_reply, update_norm
 
 G = {"a": np.zeros((2, 3), np.float32), "b": np.ones(4, np.float32)}
@@ -60,7 +60,7 @@ def _error_reply(node: int) -> Message:
 
 def test_bad_replies_are_excluded_and_the_round_goes_on():
     strategy = WinWeightedFedAvg(clients_per_round=5, min_available_nodes=5, max_update_norm=100.0)
-    strategy.current_arrays = to_record(G)
+    strategy.current_arrays, strategy.current_layout = to_record(G), layout_of(G)
     good = {k: v + 2.0 for k, v in G.items()}
     replies = [
         _reply(1, good, wins=2),
@@ -70,7 +70,7 @@ def test_bad_replies_are_excluded_and_the_round_goes_on():
         _error_reply(5),
     ]
     arrays, metrics = strategy.aggregate_train(1, replies)
-    out = from_record(arrays)
+    out = from_record(arrays, layout_of(G))
     np.testing.assert_allclose(out["a"], good["a"])  # only the healthy client counts
     assert set(strategy.rejected) == {2, 3, 4, 5}
     assert "non-finite" in strategy.rejected[2] and "shape" in strategy.rejected[3]
@@ -80,7 +80,7 @@ def test_bad_replies_are_excluded_and_the_round_goes_on():
 
 def test_nothing_accepted_gives_no_new_adapter():
     strategy = WinWeightedFedAvg(clients_per_round=1, min_available_nodes=1)
-    strategy.current_arrays = to_record(G)
+    strategy.current_arrays, strategy.current_layout = to_record(G), layout_of(G)
     assert strategy.aggregate_train(1, [_error_reply(7)]) == (None, None)
 
 
@@ -89,9 +89,9 @@ def test_robust_rules_match_numpy(rule):
     """Five clients, one outlier (+1000): the median / 20%-trimmed mean ignore it; weights play no part."""
     deltas = [1.0, 2.0, 3.0, 4.0, 1000.0]
     strategy = WinWeightedFedAvg(clients_per_round=5, min_available_nodes=5, rule=rule, trim_beta=0.2)
-    strategy.current_arrays = to_record(G)
+    strategy.current_arrays, strategy.current_layout = to_record(G), layout_of(G)
     replies = [_reply(i, {k: v + d for k, v in G.items()}, wins=i + 1) for i, d in enumerate(deltas)]
-    out = from_record(strategy.aggregate_train(1, replies)[0])
+    out = from_record(strategy.aggregate_train(1, replies)[0], layout_of(G))
     stacked = np.stack([G["a"] + d for d in deltas])
     trimmed = np.sort(stacked, axis=0)[1:-1].mean(axis=0)  # cut int(0.2 · 5) = 1 from each end
     expected = np.median(stacked, axis=0) if rule == "median" else trimmed

@@ -7,6 +7,8 @@ aggregated through aliased tensors, which turns the +1/+10/+100 example below in
 
 - :func:`win_weighted_average` -- FedAvg weighted by win count, ``theta = sum_k |W_k| theta_k / sum_k |W_k|``.
 - :func:`pseudo_gradient` -- ``Delta = avg - theta`` for server optimisers (FedAdam / FedYogi, Reddi et al. 2021).
+- :func:`fixed_denominator_mean` -- the mean of clipped updates under differential privacy,
+  ``theta + (1/m) sum_k [w_k > 0] (theta_k - theta)`` with ``m`` fixed (McMahan et al. 2018; ``fedspear.fl.privacy``).
 """
 
 from __future__ import annotations
@@ -92,3 +94,50 @@ def pseudo_gradient(global_arrays: Arrays, averaged: Arrays) -> dict[str, np.nda
         )
         for name, theta in global_arrays.items()
     }
+
+
+def fixed_denominator_mean(
+    global_arrays: Arrays, client_arrays: Sequence[Arrays], weights: Sequence[float], denominator: int
+) -> dict[str, np.ndarray]:
+    """``theta + (1/m) sum_k [w_k > 0] (theta_k - theta)``: equal weights, fixed denominator ``m`` (DP mode).
+
+    The estimator whose sensitivity to one client is ``C/m`` when every update ``theta_k - theta`` has L2 norm at
+    most ``C`` (McMahan et al. 2018, arXiv:1710.06963, the "fixed-denominator" estimator with weights in {0, 1}):
+    adding or removing one client changes the sum by at most ``C`` and the result by at most ``C/m``, whatever the
+    others sent. So Flower's noise ``sigma = z C / m`` is calibrated for it, whereas a win-weighted mean or a mean
+    over the replies that arrived is not. A client whose weight (win count) is 0 contributes nothing, as in the
+    win-weighted mean; the decision uses that client's own reply only, so it keeps the bound. Clients that did not
+    reply count as zero updates: the denominator stays ``m``.
+
+    Args:
+        global_arrays: ``theta^(t)`` as broadcast, name -> array (fixes names, shapes, dtypes).
+        client_arrays: each accepted client's ``theta_k``.
+        weights: each client's aggregation weight; only ``> 0`` matters.
+        denominator: ``m``, the number of clients sampled this round (``clients_per_round``), at least
+            ``len(client_arrays)``.
+
+    Returns:
+        New arrays in the global order and dtypes (float64 accumulation, cast back once).
+
+    Raises:
+        ValueError: lengths differ, a weight is negative or not finite, ``denominator < len(client_arrays)`` or not
+            positive, or a client's names or shapes differ from the global ones.
+    """
+    if len(client_arrays) != len(weights):
+        raise ValueError(f"got {len(client_arrays)} client updates but {len(weights)} weights; they pair up one to one")
+    w = np.asarray(weights, dtype=np.float64).reshape(-1)  # [K]
+    if not np.all(np.isfinite(w)) or np.any(w < 0):
+        raise ValueError(f"weights must be finite and >= 0, got {list(weights)}")
+    if denominator < max(1, len(client_arrays)):
+        raise ValueError(f"denominator {denominator} must be positive and at least the {len(client_arrays)} clients")
+    for k, arrays in enumerate(client_arrays):
+        check_same_layout(global_arrays, arrays, f"client {k}'s update")
+    out = {}
+    for name, reference in global_arrays.items():
+        theta = np.asarray(reference, dtype=np.float64)
+        acc = np.zeros(np.shape(reference), dtype=np.float64)
+        for wk, arrays in zip(w, client_arrays):
+            if wk > 0:
+                acc += np.asarray(arrays[name], dtype=np.float64) - theta
+        out[name] = (theta + acc / denominator).astype(np.asarray(reference).dtype)
+    return out

@@ -78,6 +78,12 @@ def preflight(cfg: RunConfig) -> None:
     dirichlet_partitions(train[:n], cfg.num_clients, cfg.dirichlet_alpha, cfg.seed, cfg.partitioner)
     if cfg.model != TINY_MODEL:
         resolve_model_dir(cfg.model)
+    if cfg.dp != "off":
+        import importlib.util
+
+        if importlib.util.find_spec("dp_accounting") is None:
+            raise ConfigError(f'dp = "{cfg.dp}" reports ε with Flower\'s privacy accountant, which needs '
+                              f'dp-accounting: pip install "flwr[dp]"')
     run = RunDir(cfg.output_dir)
     run.check_or_write_config(cfg.resolved())
     run.verify()
@@ -145,6 +151,8 @@ def _run(cfg: RunConfig, verbose: bool) -> None:
         f"{cfg.rounds} rounds · {cfg.num_clients} clients ({cfg.clients_per_round}/round) · "
         f"{cfg.rollouts_per_round} rollouts · N={cfg.max_revisions} · μ={cfg.mu} τ={resolved.tau} "
         f"λ_w={cfg.lambda_w} λ_l={cfg.lambda_l} · seed {cfg.seed} → {cfg.output_dir}"
+        + (f" · DP {cfg.dp}-side C={cfg.dp_clip_norm:g} z={cfg.dp_noise_multiplier:g} δ={cfg.dp_delta:g}"
+           if cfg.dp != "off" else "")
     )
     if done is not None:
         console.print(f"resuming after round {done}", soft_wrap=True)
@@ -166,6 +174,8 @@ def _run(cfg: RunConfig, verbose: bool) -> None:
                 f"round {record['round']}: wins {record['wins']} losses {record['losses']} revisions "
                 f"{record['revisions_successful']}/{record['revisions_attempted']} initial acc "
                 f"{(initial_accuracy(record) or 0):.2f}  {acc}  ({record['seconds']['round']:.0f} s)"
+                + (f"  ε {'∞' if record['dp_epsilon'] is None else format(record['dp_epsilon'], '.3f')} "
+                   f"(δ {record['dp_delta']:g})" if "dp_releases" in record else "")
             )
             progress.update(bar, completed=record["round"])
 

@@ -95,6 +95,12 @@ class RunConfig:
     aggregation: str = field(default="fedavg", metadata=_meta("fedavg (win-weighted, paper), or the robust median / trimmed_mean", choices=["fedavg", "median", "trimmed_mean"]))
     trim_beta: float = field(default=0.2, metadata=_meta("share cut at each end by trimmed_mean", min=0, lt=0.5))
     max_update_norm: float | None = field(default=None, metadata=_meta("reject a client update with ‖θ_k − θ‖₂ above this (None: no bound)", gt=0))
+    # differential privacy (central DP with fixed clipping, Flower's wrappers; fedspear.fl.privacy)
+    dp: str = field(default="off", metadata=_meta("central differential privacy: off, client (each client clips its update, Flower's fixedclipping_mod) or server (the server clips every update); both add Gaussian noise σ = z·C/clients_per_round to the average and report ε per round (fedspear.fl.privacy)", choices=["off", "client", "server"]))
+    dp_noise_multiplier: float = field(default=1.0, metadata=_meta("DP noise multiplier z: noise std σ = z·C/clients_per_round (McMahan et al. 2018; Flower recommends ≥ 1; 0 = clipping only, no guarantee)", min=0, max=1000))
+    dp_clip_norm: float = field(default=1.0, metadata=_meta("DP clipping norm C: each client update θ_k − θ^(t) is scaled to L2 norm ≤ C (fedspear default; pick it from the update norms of a run without DP)", gt=0))
+    dp_delta: float = field(default=1e-5, metadata=_meta("DP δ at which ε is reported; must be below 1/num_clients (1e-5: below 1/N for every N this config allows)", gt=0, lt=1))
+    dp_noise_seed: int | None = field(default=None, metadata=_meta("TESTS ONLY: seed of the DP noise. None (default) draws it from the OS's entropy every round; a seed written in config.toml makes the noise predictable and voids the guarantee", min=0))
     # evaluation (SPEC §6)
     eval_every: int = field(default=2, metadata=_meta("evaluate every k rounds (and at round 0 and the last)", min=1))
     eval_size: int = field(default=100, metadata=_meta("held-out items evaluated (0 = the whole split; CPU default 100)", min=0))
@@ -121,6 +127,8 @@ class RunConfig:
             )
         if self.lr_min > self.lr:
             raise ConfigError(f"lr_min = {self.lr_min} exceeds lr = {self.lr}")
+        if self.dp != "off":
+            _check_dp(self)
 
     # -- derived values -------------------------------------------------------------------------------------------
     def resolved(self) -> "RunConfig":
@@ -146,6 +154,23 @@ class RunConfig:
             else:
                 lines.append(f"{f.name} = {json.dumps(value)}")
         return "\n".join(lines) + "\n"
+
+
+def _check_dp(cfg: RunConfig) -> None:
+    """Refuse settings whose combination with central DP would give no valid guarantee (fedspear.fl.privacy).
+
+    Raises:
+        ConfigError: the message names the conflicting keys and why.
+    """
+    if cfg.aggregation != "fedavg":
+        raise ConfigError(
+            f"dp = {cfg.dp!r} with aggregation = {cfg.aggregation!r}: the noise σ = z·C/clients_per_round is "
+            "calibrated for the mean of clipped updates only; one client can move a median or trimmed mean of "
+            "a few updates by up to about C, so the guarantee would not hold. Use aggregation = \"fedavg\" with dp")
+    if cfg.dp_delta >= 1 / cfg.num_clients:
+        raise ConfigError(
+            f"dp_delta = {cfg.dp_delta:g} is not below 1/num_clients = {1 / cfg.num_clients:g}: a mechanism that "
+            "publishes one whole client's update with probability δ would satisfy the guarantee; use e.g. 1e-5")
 
 
 def _check(f: dataclasses.Field, value: Any) -> None:

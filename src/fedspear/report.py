@@ -130,6 +130,28 @@ def _empty_rounds_line(rounds: Sequence[dict]) -> str:
             f"{', '.join(empty)}") if empty else ""
 
 
+def _dp_line(cfg: RunConfig, rounds: Sequence[dict]) -> str:
+    """The differential-privacy settings and the ε spent by the last round (empty without DP)."""
+    if cfg.dp == "off":
+        return ""
+    last = next((r for r in reversed(rounds) if "dp_releases" in r), None)
+    spent = "–" if last is None else _epsilon(last)
+    seeded = (f" **dp_noise_seed = {cfg.dp_noise_seed}: the noise is reproducible from this config, so this run has "
+              f"no privacy guarantee (tests only).**" if cfg.dp_noise_seed is not None else "")
+    return (f"- differential privacy: **{cfg.dp}-side clipping**, C = {cfg.dp_clip_norm:g}, z = "
+            f"{cfg.dp_noise_multiplier:g}, σ = z·C/{cfg.clients_per_round} = "
+            f"{cfg.dp_noise_multiplier * cfg.dp_clip_norm / cfg.clients_per_round:.4g}; **ε = {spent} at δ = "
+            f"{cfg.dp_delta:g}** after {last['dp_releases'] if last else 0} noised rounds (RDP, no amplification; "
+            f"client counters in `metrics.jsonl` are not covered; `fedspear.fl.privacy`).{seeded}")
+
+
+def _epsilon(record: dict) -> str:
+    """A round's ε: ∞ when no noise was added (z = 0; stored as null), – for records without DP."""
+    if "dp_releases" not in record:
+        return "–"
+    return "∞" if record.get("dp_epsilon") is None else f"{record['dp_epsilon']:.3f}"
+
+
 def write_report(path: str | Path, records: Sequence[dict], cfg: RunConfig, dtype: str,
                  command: str | None = None) -> Path:
     """Write ``report.md`` and the plots for the run at ``path``; returns the report's path."""
@@ -141,6 +163,7 @@ def write_report(path: str | Path, records: Sequence[dict], cfg: RunConfig, dtyp
     rounds = [r for r in records if r["round"] > 0]
     peak_client = max((r.get("peak_rss_mb", {}).get("client", 0) for r in rounds), default=0)
     peak_server = max((r.get("peak_rss_mb", {}).get("server", 0) for r in records), default=0)
+    dp = cfg.dp != "off"
     lines = [
         f"# fedspear run — {cfg.algorithm}, {cfg.task}, {cfg.model}",
         "",
@@ -148,7 +171,9 @@ def write_report(path: str | Path, records: Sequence[dict], cfg: RunConfig, dtyp
         f" by fedspear on Python {sys.version.split()[0]}.",
         "",
         f"- algorithm **{cfg.algorithm}**, strategy {cfg.strategy}, aggregation weight: "
-        f"{'wins' if cfg.algorithm in ('spear', 'feedback_sft') else 'prompts'}",
+        + ("equal, fixed denominator clients_per_round (differential privacy)" if cfg.dp != "off" else
+           f"{'wins' if cfg.algorithm in ('spear', 'feedback_sft') else 'prompts'}"),
+        _dp_line(cfg, rounds),
         f"- rounds {cfg.rounds}, clients {cfg.num_clients} ({cfg.clients_per_round} per round), "
         f"rollouts per client-round {cfg.rollouts_per_round}, max revisions N = {cfg.max_revisions}",
         _partitions_line(path, cfg),
@@ -176,8 +201,8 @@ def write_report(path: str | Path, records: Sequence[dict], cfg: RunConfig, dtyp
         "## Per round",
         "",
         "| round | lr | prompts | initial acc | wins | losses | revisions (ok / tried) | tokens | loss win (or total) / lose "
-        "| margin M_τ | gen s | train s | eval s | overhead s | round s |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "| margin M_τ | gen s | train s | eval s | overhead s | round s |" + (" ε |" if dp else ""),
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|" + ("---|" if dp else ""),
     ]
     for r in rounds:
         s = r["seconds"]
@@ -186,7 +211,7 @@ def write_report(path: str | Path, records: Sequence[dict], cfg: RunConfig, dtyp
             f"{r['losses']} | {r['revisions_successful']} / {r['revisions_attempted']} | {r['tokens_generated']} | "
             f"{_fmt(r['loss_win'] if r.get('loss_win') is not None else r.get('loss'))} / {_fmt(r.get('loss_lose'))} | {_fmt(r.get('margin'))} | "
             f"{s['generate_initial'] + s['generate_revisions']:.1f} | {s['train']:.1f} | {s['evaluate']:.1f} | "
-            f"{s['flower_overhead']:.1f} | {s['round']:.1f} |"
+            f"{s['flower_overhead']:.1f} | {s['round']:.1f} |" + (f" {_epsilon(r)} |" if dp else "")
         )
     lines += ["", "![interaction](plots/interaction.png)", "", "![wall-clock](plots/wall_clock.png)", ""]
     report = path / "report.md"

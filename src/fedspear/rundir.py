@@ -5,7 +5,9 @@ Layout::
     <output_dir>/
       config.toml              resolved run config (every key)
       metrics.jsonl            one JSON line per completed round (round 0 = evaluation before training)
-      adapters/round_NNNN/     adapter_model.safetensors + adapter_config.json (loadable with peft)
+      adapters/round_NNNN/     adapter_model.safetensors + adapter_config.json (loadable with peft); beside them
+                               the server optimiser's moments (server_state.safetensors, FedAdam / FedYogi) and the
+                               privacy accountant's state (privacy_accountant.json, dp = client / server)
       partitions.json          the simulated clients' split: rule, α, seed, size and label counts per partition
       report.md, plots/*.png   written at the end (and on every resume)
 
@@ -173,9 +175,11 @@ class RunDir:
         return self.path / "adapters" / f"round_{server_round:04d}"
 
     def save_adapter(self, server_round: int, arrays: dict[str, np.ndarray], peft_config: dict | None,
-                     server_state: dict[str, np.ndarray] | None = None) -> Path:
+                     server_state: dict[str, np.ndarray] | None = None,
+                     json_state: dict[str, Any] | None = None) -> Path:
         """Write the global adapter of ``server_round`` in peft's format, atomically, with the server-optimiser
-        state (FedAdam / FedYogi moments, ``server_state.safetensors``) in the same folder when given."""
+        state (FedAdam / FedYogi moments, ``server_state.safetensors``) and any JSON state (file name → value, e.g.
+        the privacy accountant's) in the same folder when given."""
         from safetensors.numpy import save_file
 
         target = self.adapter_dir(server_round)
@@ -185,6 +189,8 @@ class RunDir:
         save_file({k: np.ascontiguousarray(v) for k, v in arrays.items()}, str(tmp / "adapter_model.safetensors"))
         if server_state:
             save_file({k: np.ascontiguousarray(v) for k, v in server_state.items()}, str(tmp / "server_state.safetensors"))
+        for name, value in (json_state or {}).items():
+            (tmp / name).write_text(json.dumps(value, indent=1), encoding="utf-8")
         if peft_config is not None:
             (tmp / "adapter_config.json").write_text(json.dumps(peft_config, indent=2, default=_json_default))
         shutil.rmtree(target, ignore_errors=True)
@@ -197,6 +203,20 @@ class RunDir:
 
         path = self.adapter_dir(server_round) / "server_state.safetensors"
         return dict(load_file(str(path))) if path.is_file() else None
+
+    def load_json_state(self, server_round: int, name: str) -> Any:
+        """The JSON state ``name`` saved with round ``server_round``'s adapter, or None when there is none.
+
+        Raises:
+            RunDirError: the file exists but is not valid JSON.
+        """
+        path = self.adapter_dir(server_round) / name
+        if not path.is_file():
+            return None
+        try:
+            return json.loads(path.read_text(encoding="utf-8"))
+        except ValueError as err:
+            raise RunDirError(f"{path}: unreadable ({err}); cannot resume") from None
 
     def load_adapter(self, server_round: int) -> dict[str, np.ndarray]:
         """The saved global adapter of ``server_round``.

@@ -6,7 +6,10 @@ a fresh ClientApp process per message, so there the node config names a long-liv
 (``worker-address``, ``worker-key``) and the round runs in it (``fedspear.fl.node_worker``, which also lists every
 node-config key read here). Every reply's metrics carry ``model_loads`` and ``worker_pid``.
 The reply carries only LoRA tensors and counters (``weight`` is the aggregation weight) — never prompts,
-answers or feedback text.
+answers or feedback text. The adapter arrives as one flat Array whose layout is in the train config
+(``fedspear.fl.strategy.LAYOUT_KEY``); the reply packs the trained adapter in that same layout, so it holds the
+same single Array. Under ``dp = "client"`` Flower's ``fixedclipping_mod`` clips the reply's update before it leaves
+(``fedspear.fl.privacy.dp_clipping_mod``, on the train handler only).
 
 A node started with ``--node-config "partition-id=K trace-db=/path/traces.db"`` is a *human* node: instead of the
 dataset oracle it trains on the conversations people had in ``fedspear chat`` (``fedspear.human``), which stay in
@@ -30,7 +33,8 @@ from flwr.clientapp import ClientApp
 from fedspear.client import Worker
 from fedspear.config import RunConfig
 from fedspear.fl.node_worker import NodeRunner, NodeSettings, partition_indices, remote_round
-from fedspear.fl.strategy import from_record, to_record
+from fedspear.fl.privacy import dp_clipping_mod
+from fedspear.fl.strategy import LAYOUT_KEY, from_record, to_record
 
 app = ClientApp()
 
@@ -52,18 +56,20 @@ def partition_of(context: Context, cfg: RunConfig, worker: Worker) -> tuple[int,
     return node.partition_id, partition_indices(worker.examples, cfg, node.partition_id, bool(node.data_dir))
 
 
-@app.train()
+@app.train(mods=[dp_clipping_mod])
 def train(msg: Message, context: Context) -> Message:
     """Set adapter → interaction → local training → reply with the adapter copy, ``weight`` and counters.
 
     Raises:
-        ValueError: bad node config (see ``NodeSettings``).
+        ValueError: bad node config (see ``NodeSettings``); the trained adapter's tensors differ from the broadcast
+            ones.
         ConnectionError / RuntimeError: the node worker is not running or failed (the server drops this client).
     """
     config = msg.content["config"]
     cfg = RunConfig(**json.loads(str(config["fedspear-config"])))
     node = NodeSettings.from_node_config(context.node_config, cfg.num_clients)
-    global_arrays = from_record(msg.content["arrays"])
+    layout = str(config[LAYOUT_KEY]) if LAYOUT_KEY in config else None
+    global_arrays = from_record(msg.content["arrays"], layout)
     server_round, lr = int(config["server-round"]), float(config["lr"])
     if node.worker_address:
         arrays, metrics = remote_round(node, cfg, global_arrays, server_round, lr)
@@ -73,7 +79,12 @@ def train(msg: Message, context: Context) -> Message:
     metrics["partition-id"] = pid
     arrays, metrics = _inject_fault(pid, arrays, metrics)
     metric_record = MetricRecord({k: _metric(v) for k, v in metrics.items()})
-    reply = RecordDict({"arrays": to_record(arrays),
+    if set(arrays) != set(global_arrays):
+        raise ValueError(f"the trained adapter's tensors differ from the broadcast ones "
+                         f"({sorted(set(arrays) ^ set(global_arrays))[:3]})")
+    # the broadcast order: the server decodes the reply with the layout it sent, and Flower's clipping mod pairs
+    # the reply's Arrays with the sent ones by position
+    reply = RecordDict({"arrays": to_record({name: arrays[name] for name in global_arrays}),
                         "metrics": metric_record})
     return Message(content=reply, reply_to=msg)
 

@@ -2,8 +2,10 @@
 
 ``run_server`` drives the rounds itself with the strategy's ``configure_train`` / ``aggregate_train`` (rather than
 ``Strategy.start``) so that it can resume after the last completed round, time each phase, and write one metrics
-line per round. The per-round learning rate (warm-up + cosine, ``fedspear.training.lr_at_round``) travels in the
-train config.
+line per round. The per-round learning rate (warm-up + cosine, ``fedspear.training.lr_at_round``) and the adapter's
+layout travel in the train config. Under differential privacy (``dp`` = client / server) the rounds go through
+Flower's fixed-clipping wrapper and the privacy ledger (``fedspear.fl.privacy.PrivateRounds``); each record then
+carries ``dp_epsilon`` and the DP settings, and the accountant's state is saved with each round's adapter.
 """
 
 from __future__ import annotations
@@ -22,10 +24,11 @@ from fedspear.client import load_split, load_train_examples, peak_rss_mb
 from fedspear.config import RunConfig, load_config
 from fedspear.evaluation import evaluate
 from fedspear.fl.partition import dirichlet_partitions, partition_summary
-from fedspear.fl.strategy import WinWeightedFedAvg, from_record, to_record
+from fedspear.fl.privacy import STATE_FILE, PrivateRounds, reply_norm_bound
+from fedspear.fl.strategy import LAYOUT_KEY, WinWeightedFedAvg, from_record, layout_of, to_record
 from fedspear.model import LoraSettings, add_lora, get_adapter, load_base, set_adapter
 from fedspear.report import write_report
-from fedspear.rundir import EmptyRoundError, RunDir, initial_accuracy
+from fedspear.rundir import EmptyRoundError, RunDir, RunDirError, initial_accuracy
 from fedspear.server_opt import arrays_to_state, state_to_arrays
 from fedspear.tasks import get_task
 from fedspear.training import lr_at_round
@@ -219,6 +222,43 @@ def empty_round_error(server_round: int, reasons: list[str], dropped: bool, stre
     )
 
 
+def in_model_order(arrays: dict[str, np.ndarray], model_arrays: dict[str, np.ndarray], where) -> dict[str, np.ndarray]:
+    """``arrays`` (a saved adapter; safetensors returns its own tensor order) in the model's tensor order.
+
+    The order fixes the flat buffer that travels (``to_record``) and so which value each draw of Flower's DP noise
+    lands on: a resumed run must pack as an uninterrupted one does for seeded noise to repeat (``dp_noise_seed``).
+
+    Raises:
+        RunDirError: the saved adapter's tensor names differ from the model's (names ``where``).
+    """
+    if set(arrays) != set(model_arrays):
+        diff = sorted(set(arrays) ^ set(model_arrays))
+        raise RunDirError(f"{where}: the saved adapter's tensors differ from the model's ({diff[:3]}); cannot resume")
+    return {name: arrays[name] for name in model_arrays}
+
+
+def _resume_ledger(private: PrivateRounds, run: RunDir, last: int, last_record: dict) -> None:
+    """Continue the privacy ledger saved with round ``last``'s adapter (the ε of a resumed run continues).
+
+    Raises:
+        RunDirError: the state is missing, belongs to other DP settings, or disagrees with the last record's
+            ``dp_releases`` (the run directory was edited or mixed).
+    """
+    state = run.load_json_state(last, STATE_FILE)
+    where = run.adapter_dir(last) / STATE_FILE
+    if state is None:
+        raise RunDirError(f"{where}: missing; a DP run cannot resume without its privacy accountant state")
+    try:
+        private.ledger.load_state_dict(state)
+    except (ValueError, KeyError, TypeError) as err:
+        raise RunDirError(f"{where}: {err}; cannot resume") from None
+    if last_record.get("dp_releases", 0) != private.ledger.releases:
+        raise RunDirError(f"{where}: {private.ledger.releases} noised releases, but metrics.jsonl's round {last} "
+                          f"says {last_record.get('dp_releases', 0)}; cannot resume")
+    log.info("privacy ledger resumed: %d releases, ε = %.4g at δ = %g", private.ledger.releases,
+             private.ledger.epsilon, private.ledger.delta)
+
+
 def run_server(grid: Grid, cfg: RunConfig, on_round: Callable[[dict], None] | None = None) -> list[dict]:
     """Run (or resume) a SPEAR federation to ``cfg.rounds`` rounds; returns every round record.
 
@@ -234,11 +274,20 @@ def run_server(grid: Grid, cfg: RunConfig, on_round: Callable[[dict], None] | No
     run = RunDir(cfg.output_dir)
     run.check_or_write_config(cfg)
     record_partitions(run, cfg)
+    strategy = WinWeightedFedAvg(
+        cfg.clients_per_round, cfg.num_clients, seed=cfg.seed, max_update_norm=reply_norm_bound(cfg),
+        rule=cfg.aggregation, trim_beta=cfg.trim_beta,
+        server_opt=cfg.strategy if cfg.strategy in ("fedadam", "fedyogi") else None, server_lr=cfg.server_lr,
+        beta1=cfg.server_beta1, beta2=cfg.server_beta2, tau=cfg.server_tau,
+        dp_denominator=cfg.clients_per_round if cfg.dp != "off" else None,
+    )
+    # before the model loads: a missing privacy accountant (flwr[dp]) stops the run here, not after round 0
+    private = PrivateRounds(strategy, cfg) if cfg.dp != "off" else None
     evaluator = Evaluator(cfg)
     records = run.records()
     if records:
         last = records[-1]["round"]
-        arrays = run.load_adapter(last)
+        arrays = in_model_order(run.load_adapter(last), evaluator.initial_adapter(), run.adapter_dir(last))
         wall = records[-1].get("wall_clock", 0.0)
         log.info("resuming %s after round %d", cfg.output_dir, last)
     else:
@@ -255,15 +304,11 @@ def run_server(grid: Grid, cfg: RunConfig, on_round: Callable[[dict], None] | No
         if on_round:
             on_round(record)
 
-    strategy = WinWeightedFedAvg(
-        cfg.clients_per_round, cfg.num_clients, seed=cfg.seed, max_update_norm=cfg.max_update_norm,
-        rule=cfg.aggregation, trim_beta=cfg.trim_beta,
-        server_opt=cfg.strategy if cfg.strategy in ("fedadam", "fedyogi") else None, server_lr=cfg.server_lr,
-        beta1=cfg.server_beta1, beta2=cfg.server_beta2, tau=cfg.server_tau,
-    )
     saved_state = run.load_server_state(last) if last else None
     if saved_state:
         strategy.opt_state = arrays_to_state(saved_state)
+    if private is not None and last:
+        _resume_ledger(private, run, last, records[-1])
     strategy.partition_of = discover_partitions(grid, cfg.num_clients)
     payload = json.dumps(cfg.to_dict())
     streak = 0  # consecutive empty rounds before this one (tolerated ones are recorded with empty: true)
@@ -274,8 +319,10 @@ def run_server(grid: Grid, cfg: RunConfig, on_round: Callable[[dict], None] | No
     for server_round in range(last + 1, cfg.rounds + 1):
         t_round = time.perf_counter()
         lr = lr_at_round(server_round, cfg.rounds, cfg.lr, cfg.lr_min, cfg.warmup_ratio)
-        config = ConfigRecord({"lr": lr, "fedspear-config": payload})
-        messages = list(strategy.configure_train(server_round, to_record(arrays), config, grid))
+        layout = layout_of(arrays)
+        config = ConfigRecord({"lr": lr, "fedspear-config": payload, **({LAYOUT_KEY: layout} if layout else {})})
+        driver = private or strategy  # under DP, Flower's wrapper around the strategy
+        messages = list(driver.configure_train(server_round, to_record(arrays), config, grid))
         t_send = time.perf_counter()
         replies = list(grid.send_and_receive(messages, timeout=cfg.round_timeout))
         t_recv = time.perf_counter()
@@ -283,19 +330,26 @@ def run_server(grid: Grid, cfg: RunConfig, on_round: Callable[[dict], None] | No
         for node in sorted(silent):
             log.warning("round %d: node %d sent no reply within %g s (timed out or disconnected); dropped",
                         server_round, node, cfg.round_timeout)
-        new_arrays, _ = strategy.aggregate_train(server_round, replies)
+        if private is not None:
+            new_arrays, rejected, dropped = private.aggregate_train(server_round, replies)
+        else:
+            new_record, _ = strategy.aggregate_train(server_round, replies)
+            new_arrays = from_record(new_record, layout) if new_record is not None else None
+            rejected, dropped = strategy.rejected, strategy.dropped
         aggregated = strategy.last_aggregated
         if new_arrays is not None:
-            arrays = from_record(new_arrays)
+            arrays = new_arrays
         t_agg = time.perf_counter()
-        record = _round_record(server_round, lr, replies, aggregated, strategy.rejected)
+        record = _round_record(server_round, lr, replies, aggregated, rejected)
+        if private is not None:
+            record.update(private.ledger.record())
         record["clients"] += [{"node_id": n, "error": f"no reply within {cfg.round_timeout:g} s"} for n in sorted(silent)]
         record["clients_failed"] += len(silent)
         if record["clients_ok"] == 0:
             streak += 1
             reasons = [f"partition {strategy.partition_of.get(c['node_id'], '?')} (node {c['node_id']}): {c['error']}"
                        for c in record["clients"]]
-            error = empty_round_error(server_round, reasons, bool(silent or strategy.dropped), streak, cfg)
+            error = empty_round_error(server_round, reasons, bool(silent or dropped), streak, cfg)
             if error is None and server_round == cfg.rounds and streak == server_round:
                 error = EmptyRoundError(f"round {server_round}: no round of this run accepted a client reply; "
                                         f"a run that never updated its adapter is not a result. Clients: "
@@ -324,7 +378,8 @@ def run_server(grid: Grid, cfg: RunConfig, on_round: Callable[[dict], None] | No
         record["wall_clock"] = wall
         record["peak_rss_mb"]["server"] = peak_rss_mb()
         state = state_to_arrays(strategy.opt_state) if strategy.server_opt else None
-        run.save_adapter(server_round, arrays, evaluator.peft_config(), server_state=state)
+        json_state = {STATE_FILE: private.ledger.state_dict()} if private is not None else None
+        run.save_adapter(server_round, arrays, evaluator.peft_config(), server_state=state, json_state=json_state)
         run.append(record)
         records.append(record)
         if on_round:

@@ -11,7 +11,15 @@ values, non-negative integer counters, optional update-norm bound); a failing re
 node id and reason, and the round goes on. For untrusted populations the unweighted robust rules of Flower's FedMedian
 and FedTrimmedAvg (``flwr.server.strategy.aggregate``) can replace the weighted mean.
 
-Adapters travel packed: one flat Array and its layout per message (``to_record``), not one Array per tensor.
+Adapters travel packed: one flat float Array per message (``to_record``), not one Array per tensor; its layout
+(names and shapes) travels in the train message's ConfigRecord (``LAYOUT_KEY``) and the server decodes replies with
+the layout it sent. An ArrayRecord therefore holds adapter values only, which Flower's DP clipping and noise need
+(they scale and perturb every Array of the record; ``fedspear.fl.privacy``).
+
+Under differential privacy (``dp_denominator`` set) the average is the fixed-denominator mean of
+``fedspear.aggregation.fixed_denominator_mean`` instead of the win-weighted one, there is no zero-win guard, and the
+server optimiser is not applied here but by the caller after the noise (``server_step``); ``fedspear.fl.privacy``
+says why.
 
 Client sampling is seeded per round over the nodes ordered by their partition id (learnt once through a query
 message), so a resumed run samples the same clients as an uninterrupted one.
@@ -32,7 +40,7 @@ from flwr.serverapp.strategy import FedAvg
 from flwr.common.constant import ErrorCode
 from flwr.server.strategy.aggregate import aggregate_median, aggregate_trimmed_avg
 
-from fedspear.aggregation import win_weighted_average
+from fedspear.aggregation import fixed_denominator_mean, win_weighted_average
 from fedspear.server_opt import ServerOptState, fedadam_step, fedyogi_step
 from fedspear.validation import check_reply
 
@@ -49,38 +57,52 @@ log = logging.getLogger("fedspear")
 # separate object, one HTTP request per hop (SuperLink ↔ SuperNode ↔ ClientApp process, ``flwr/supercore/inflatable``).
 # SmolLM2-135M's adapter has 420 tensors: sent one by one they added ~60–90 s to every deployment round on this
 # 2-core machine (a round with almost no client work took 106 s; packed, 15–25 s; examples/deploy-local/README.md).
-# The layout (names, shapes, dtype) travels beside the buffer as JSON bytes.
+# The layout (names, shapes, dtype) is JSON text in the train message's ConfigRecord, not an Array: until
+# 2026-12 it travelled as a uint8 Array beside the buffer, which Flower's DP clipping cannot scale (UFuncTypeError)
+# and its noise corrupts (the bytes of the JSON get N(0, σ) added).
 PACKED_KEY, LAYOUT_KEY = "adapter", "adapter-layout"
 
 
-def to_record(arrays: dict[str, np.ndarray]) -> ArrayRecord:
-    """An ArrayRecord holding a *copy* of ``arrays`` (name → ndarray, in order): one flat Array plus its layout.
-
-    Tensors of different dtypes cannot share one buffer; then each travels as its own Array (as Flower's own
-    strategies send them).
-    """
+def layout_of(arrays: dict[str, np.ndarray]) -> str | None:
+    """The JSON layout of ``to_record(arrays)`` (dtype, then [name, shape] in order); None when the tensors do not
+    share one dtype (then each travels as its own Array, named, and needs no layout)."""
     dtypes = {np.asarray(v).dtype for v in arrays.values()}
     if len(dtypes) != 1:
+        return None
+    return json.dumps({"dtype": str(dtypes.pop()), "tensors": [[name, list(np.shape(v))] for name, v in arrays.items()]})
+
+
+def to_record(arrays: dict[str, np.ndarray]) -> ArrayRecord:
+    """An ArrayRecord holding a *copy* of ``arrays`` (name → ndarray, in order): one flat Array ``"adapter"``.
+
+    Decode it with ``from_record(record, layout_of(arrays))``. Tensors of different dtypes cannot share one buffer;
+    then each travels as its own Array (as Flower's own strategies send them).
+    """
+    if layout_of(arrays) is None:
         return ArrayRecord({k: Array(np.array(v, copy=True)) for k, v in arrays.items()})
-    layout = [[name, list(np.shape(v))] for name, v in arrays.items()]
     flat = np.concatenate([np.asarray(v).ravel() for v in arrays.values()])  # a new buffer: a copy
-    text = json.dumps({"dtype": str(flat.dtype), "tensors": layout}).encode()
-    return ArrayRecord({PACKED_KEY: Array(flat), LAYOUT_KEY: Array(np.frombuffer(text, dtype=np.uint8).copy())})
+    return ArrayRecord({PACKED_KEY: Array(flat)})
 
 
-def from_record(record: ArrayRecord) -> dict[str, np.ndarray]:
-    """name → ndarray copies of an ArrayRecord, packed (``to_record``) or one Array per tensor.
+def from_record(record: ArrayRecord, layout: str | None = None) -> dict[str, np.ndarray]:
+    """name → ndarray copies of an ArrayRecord: packed (``to_record``, decoded with its ``layout``) or one Array per
+    tensor (``layout`` None).
 
     Raises:
-        ValueError: a packed record whose layout is not valid JSON or does not match its buffer (names repeated,
-        negative dimensions, sizes that do not add up, another dtype).
+        ValueError: a packed record without a layout, a layout that is not valid JSON or does not match the buffer
+        (names repeated, negative dimensions, sizes that do not add up, another dtype), or a record holding other
+        keys than the packed one.
     """
-    if set(record.keys()) != {PACKED_KEY, LAYOUT_KEY}:
+    if layout is None:
+        if list(record.keys()) == [PACKED_KEY]:
+            raise ValueError("packed adapter: no layout given to decode it (it travels in the train config)")
         return {k: np.array(v.numpy(), copy=True) for k, v in record.items()}
+    if list(record.keys()) != [PACKED_KEY]:
+        raise ValueError(f"packed adapter: expected the single Array {PACKED_KEY!r}, got {list(record.keys())[:3]}")
     flat = record[PACKED_KEY].numpy()
     try:
-        layout = json.loads(record[LAYOUT_KEY].numpy().tobytes().decode())
-        dtype, tensors = layout["dtype"], [(str(name), tuple(int(d) for d in shape)) for name, shape in layout["tensors"]]
+        parsed = json.loads(layout)
+        dtype, tensors = parsed["dtype"], [(str(name), tuple(int(d) for d in shape)) for name, shape in parsed["tensors"]]
     except (ValueError, KeyError, TypeError) as err:
         raise ValueError(f"packed adapter: unreadable layout ({err})") from None
     if flat.ndim != 1 or str(flat.dtype) != dtype:
@@ -89,7 +111,7 @@ def from_record(record: ArrayRecord) -> dict[str, np.ndarray]:
         raise ValueError("packed adapter: repeated tensor names or negative dimensions in the layout")
     sizes = [int(np.prod(shape)) for _, shape in tensors]
     if sum(sizes) != flat.size:
-        raise ValueError(f"packed adapter: the layout holds {sum(sizes)} values, the buffer {flat.size}")
+        raise ValueError(f"packed adapter: the layout's tensor shapes hold {sum(sizes)} values, the buffer {flat.size}")
     out, start = {}, 0
     for (name, shape), size in zip(tensors, sizes):
         out[name] = flat[start:start + size].reshape(shape).copy()
@@ -116,14 +138,19 @@ class WinWeightedFedAvg(FedAvg):
         min_available_nodes: nodes that must be connected before sampling.
         seed: seeds the per-round node sample.
         wait_seconds: how long to wait for enough nodes before raising (never forever).
+        max_update_norm: reject a reply whose ‖θ_k − θ^(t)‖₂ exceeds this (None: no bound).
+        dp_denominator: under differential privacy, ``m`` of the fixed-denominator mean (``clients_per_round``);
+            None: the win-weighted mean of the paper. See the module docstring and ``fedspear.fl.privacy``.
     """
 
     def __init__(self, clients_per_round: int, min_available_nodes: int, seed: int = 0, wait_seconds: float = 300,
                  max_update_norm: float | None = None, rule: str = "fedavg", trim_beta: float = 0.2,
                  server_opt: str | None = None, server_lr: float = 1e-3, beta1: float = 0.9, beta2: float = 0.99,
-                 tau: float = 0.005):
+                 tau: float = 0.005, dp_denominator: int | None = None):
         if rule not in RULES:
             raise ValueError(f"aggregation rule must be one of {', '.join(RULES)} (got {rule!r})")
+        if dp_denominator is not None and rule != "fedavg":
+            raise ValueError(f"differential privacy needs the fixed-denominator mean, not {rule!r}")
         super().__init__(
             fraction_train=1.0,
             fraction_evaluate=0.0,
@@ -138,8 +165,13 @@ class WinWeightedFedAvg(FedAvg):
         self.max_update_norm = max_update_norm
         self.rule = rule
         self.trim_beta = trim_beta
+        self.dp_denominator = dp_denominator
         self.partition_of: dict[int, int] = {}  # node id → partition id (see ``discover_partitions``)
         self.current_arrays: ArrayRecord | None = None
+        self.current_layout: str | None = None  # layout of ``current_arrays`` and of every reply (``layout_of``)
+        # replies the caller vouches for, aggregated beside the ones passed to aggregate_train (DP, server side:
+        # exact-zero updates, which Flower's clipping cannot take: it divides by their norm; fedspear.fl.privacy)
+        self.extra_replies: list[Message] = []
         self.last_replies: list[Message] = []
         self.rejected: dict[int, str] = {}  # node id → reason, for the last round
         self.dropped: set[int] = set()  # nodes of ``rejected`` that dropped out rather than raised (``CLIENT_ERRORS``)
@@ -172,11 +204,52 @@ class WinWeightedFedAvg(FedAvg):
     def configure_train(
         self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid: Grid
     ) -> Iterable[Message]:
-        """One train message per sampled node carrying θ^(t) and the round's config; remembers θ^(t)."""
+        """One train message per sampled node carrying θ^(t) and the round's config (with θ^(t)'s layout under
+        ``LAYOUT_KEY``); remembers θ^(t) and its layout to decode and check the replies."""
         self.current_arrays = arrays
+        self.current_layout = str(config[LAYOUT_KEY]) if LAYOUT_KEY in config else None
         config["server-round"] = server_round
         record = RecordDict({self.arrayrecord_key: arrays, self.configrecord_key: config})
         return self._construct_messages(record, self.sample(grid, server_round), MessageType.TRAIN)
+
+    def _check_replies(self, replies: list[Message]):
+        """``(accepted, rejected, dropped)``: accepted = [(message, arrays, metrics)] that pass every check
+        (``check_reply``), rejected = {node id: reason}, dropped = nodes whose error means they dropped out."""
+        reference = from_record(self.current_arrays, self.current_layout) if self.current_arrays is not None else None
+        accepted, rejected, dropped = [], {}, set()
+        for msg in replies:
+            node = msg.metadata.src_node_id
+            if msg.has_error():
+                rejected[node] = f"client error: {msg.error.reason}"
+                if msg.error.code not in CLIENT_ERRORS:
+                    dropped.add(node)
+            elif len(msg.content.array_records) != 1 or len(msg.content.metric_records) != 1:
+                rejected[node] = "reply must hold exactly one ArrayRecord and one MetricRecord"
+            else:
+                try:
+                    arrays = from_record(next(iter(msg.content.array_records.values())), self.current_layout)
+                except ValueError as err:
+                    rejected[node] = str(err)
+                    continue
+                metrics = dict(next(iter(msg.content.metric_records.values())))
+                reason = check_reply(reference if reference is not None else arrays, arrays, metrics,
+                                     self.max_update_norm)
+                if reason:
+                    rejected[node] = reason
+                else:
+                    accepted.append((msg, arrays, metrics))
+        return accepted, rejected, dropped
+
+    def screen(self, server_round: int, replies: Iterable[Message]) -> list[Message]:
+        """The replies that pass every check, in order; the others are logged and kept in ``rejected`` / ``dropped``.
+
+        Differential privacy calls this before Flower's wrapper, which must see error-free, well-formed replies
+        only (``fedspear.fl.privacy``); ``aggregate_train`` runs the same checks itself.
+        """
+        accepted, self.rejected, self.dropped = self._check_replies(list(replies))
+        for node, reason in self.rejected.items():
+            log.warning("round %d: reply of node %d excluded: %s", server_round, node, reason)
+        return [msg for msg, _, _ in accepted]
 
     def aggregate_train(
         self, server_round: int, replies: Iterable[Message]
@@ -186,40 +259,21 @@ class WinWeightedFedAvg(FedAvg):
         Error replies (the client raised or timed out) and rejected replies are excluded and logged; their node ids
         and reasons are in ``self.rejected``. Returns ``(None, None)`` when nothing is left to aggregate.
         """
-        self.last_replies = list(replies)
-        self.rejected, self.dropped, self.last_aggregated = {}, set(), False
-        reference = from_record(self.current_arrays) if self.current_arrays is not None else None
-        accepted = []
-        for msg in self.last_replies:
-            node = msg.metadata.src_node_id
-            if msg.has_error():
-                self.rejected[node] = f"client error: {msg.error.reason}"
-                if msg.error.code not in CLIENT_ERRORS:
-                    self.dropped.add(node)
-            elif len(msg.content.array_records) != 1 or len(msg.content.metric_records) != 1:
-                self.rejected[node] = "reply must hold exactly one ArrayRecord and one MetricRecord"
-            else:
-                try:
-                    arrays = from_record(next(iter(msg.content.array_records.values())))
-                except ValueError as err:
-                    self.rejected[node] = str(err)
-                    continue
-                metrics = dict(next(iter(msg.content.metric_records.values())))
-                reason = check_reply(reference if reference is not None else arrays, arrays, metrics,
-                                     self.max_update_norm)
-                if reason:
-                    self.rejected[node] = reason
-                else:
-                    accepted.append((arrays, metrics, msg.content))
+        self.last_replies = list(replies) + self.extra_replies
+        self.last_aggregated = False
+        accepted, self.rejected, self.dropped = self._check_replies(self.last_replies)
         for node, reason in self.rejected.items():
             log.warning("round %d: reply of node %d excluded: %s", server_round, node, reason)
         if not accepted:
             return None, None
-        metrics = self.train_metrics_aggr_fn([c for _, _, c in accepted], self.weighted_by_key)
-        clients = [a for a, _, _ in accepted]
-        wins = [int(m[WEIGHT_KEY]) for _, m, _ in accepted]
-        if reference is None:
-            reference = clients[0]
+        metrics = self.train_metrics_aggr_fn([msg.content for msg, _, _ in accepted], self.weighted_by_key)
+        clients = [a for _, a, _ in accepted]
+        wins = [int(m[WEIGHT_KEY]) for _, _, m in accepted]
+        reference = from_record(self.current_arrays, self.current_layout) if self.current_arrays is not None \
+            else clients[0]
+        if self.dp_denominator is not None:  # DP: no zero-win guard, server optimiser after the noise (caller)
+            self.last_aggregated = True
+            return to_record(fixed_denominator_mean(reference, clients, wins, self.dp_denominator)), metrics
         if sum(wins) == 0:
             log.warning("round %d: no accepted client has a win; global adapter kept unchanged", server_round)
             return to_record(reference), metrics
@@ -231,7 +285,13 @@ class WinWeightedFedAvg(FedAvg):
             lists = [([a[n] for n in names], 1) for a in clients]
             robust = aggregate_median(lists) if self.rule == "median" else aggregate_trimmed_avg(lists, self.trim_beta)
             averaged = {n: np.asarray(v, dtype=reference[n].dtype) for n, v in zip(names, robust)}
-        if self.server_opt:  # FedAdam / FedYogi: the average is a pseudo-gradient step (Reddi et al. 2021)
-            step = fedadam_step if self.server_opt == "fedadam" else fedyogi_step
-            averaged, self.opt_state = step(reference, averaged, self.opt_state, **self.server_hyper)
-        return to_record(averaged), metrics
+        return to_record(self.server_step(reference, averaged)), metrics
+
+    def server_step(self, reference: dict[str, np.ndarray], averaged: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        """FedAdam / FedYogi (Reddi et al. 2021): the average is a pseudo-gradient step from ``reference`` = θ^(t);
+        updates ``opt_state``. Without a server optimiser, ``averaged`` unchanged."""
+        if not self.server_opt:
+            return averaged
+        step = fedadam_step if self.server_opt == "fedadam" else fedyogi_step
+        out, self.opt_state = step(reference, averaged, self.opt_state, **self.server_hyper)
+        return out

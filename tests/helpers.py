@@ -1,13 +1,24 @@
 """Shared test helpers (plain functions and classes; fixtures live in conftest.py): a tiny-model worker, a LoRA start
-that receives gradients, and a feedback source with mixed rewards."""
+that receives gradients, a feedback source with mixed rewards, and killing a whole run mid-round."""
 
 from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import time
+from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 from fedspear.client import Worker
 from fedspear.config import RunConfig
 from fedspear.model import get_adapter, set_adapter
+
+if TYPE_CHECKING:
+    from flwr.app import Message
 
 TINY_WORKER = dict(model="tiny-random", num_clients=2, clients_per_round=1, rollouts_per_round=3, local_steps=2,
                    batch_size=2, lr=1e-2, max_new_tokens=4, lora_r=4, lora_alpha=8, lora_dropout=0.0, train_size=40)
@@ -42,3 +53,70 @@ class Alternate:
 
     def feedback(self, example, completion):
         return "Incorrect. Hint: think again."
+
+
+def descendants(pid: int) -> list[int]:
+    """Every process below ``pid`` (children, grandchildren, …) from /proc: Ray's workers included."""
+    children: dict[int, list[int]] = {}
+    for status in Path("/proc").glob("[0-9]*/status"):
+        try:
+            fields = dict(line.split(":\t", 1) for line in status.read_text().splitlines() if ":\t" in line)
+            children.setdefault(int(fields["PPid"]), []).append(int(fields["Pid"]))
+        except (OSError, KeyError, ValueError):
+            continue
+    out, stack = [], [pid]
+    while stack:
+        for child in children.get(stack.pop(), []):
+            out.append(child)
+            stack.append(child)
+    return out
+
+
+def kill_run_after_round(cmd: list[str], out: Path, after_round: int, delay: float = 3.0,
+                         timeout: float = 600, env: dict[str, str] | None = None) -> None:
+    """Start ``cmd`` (a ``fedspear run`` writing to ``out``), wait until ``metrics.jsonl`` holds round
+    ``after_round``, then ``delay`` seconds more (inside the next round), and kill -9 the whole run at once: its
+    process group and every descendant (Ray's processes too).
+
+    Raises:
+        AssertionError: the round never appeared within ``timeout`` s, or the run ended before it could be killed.
+    """
+    run = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True, env=env)
+    metrics = out / "metrics.jsonl"
+    deadline = time.time() + timeout
+    while time.time() < deadline and not (metrics.is_file() and any(
+            json.loads(line)["round"] == after_round for line in metrics.read_text().splitlines() if line.strip())):
+        time.sleep(0.5)
+    time.sleep(delay)
+    assert run.poll() is None, "the run ended before it could be killed"
+    family = descendants(run.pid)
+    os.killpg(run.pid, signal.SIGKILL)
+    for pid in family:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    run.wait()
+
+
+def train_reply(node: int, arrays: dict[str, np.ndarray], metrics: dict) -> Message:
+    """A client's train reply as the strategy receives it: ``arrays`` packed (``to_record``) and ``metrics``,
+    with ``node`` as its source node id."""
+    from flwr.app import Message, MessageType, MetricRecord, RecordDict
+
+    from fedspear.fl.strategy import to_record
+
+    msg = Message(content=RecordDict({"arrays": to_record(arrays), "metrics": MetricRecord(metrics)}),
+                  dst_node_id=0, message_type=MessageType.TRAIN)
+    msg.metadata.__dict__["_src_node_id"] = node  # as if it came from that node
+    return msg
+
+
+def error_reply(node: int) -> Message:
+    """An error reply from ``node`` (the client raised: "RuntimeError: injected crash")."""
+    from flwr.app import Error, Message, MessageType, RecordDict
+
+    msg = Message(content=RecordDict(), dst_node_id=0, message_type=MessageType.TRAIN)
+    msg = Message(error=Error(code=0, reason="RuntimeError: injected crash"), reply_to=msg)
+    msg.metadata.__dict__["_src_node_id"] = node
+    return msg

@@ -262,3 +262,44 @@ def test_cpu_qwen_sqa_preset_has_the_issue_shape():
 
     settings = grpo.settings(next(c.config for c in cells if c.algorithm == "grpo"))
     assert (settings.group_size, settings.beta) == (2, 0.1)  # the paper's StrategyQA GRPO table
+
+
+@pytest.mark.slow
+def test_dp_settings_are_grid_axes_and_the_summary_gives_epsilon(tmp_path):
+    """Issue 18: ``dp`` as a grid axis (off vs client-side clipping with z = 1, C = 0.5) on the tiny model, 2 rounds.
+    The two cells differ only in ``dp``; the DP cell records ε per round and comparison.md/json give its final ε —
+    the accountant's after 2 noised releases (4.728507 after 1 at z = 1, δ = 1e-5, by hand in test_dp); the
+    cell without DP has none."""
+    from fedspear.compare import PRESETS
+    from fedspear.config import RunConfig
+    from fedspear.fl.privacy import PrivacyLedger
+
+    base = {**PRESETS["tiny"].base, "rounds": 2, "dp_noise_multiplier": 1.0, "dp_clip_norm": 0.5,
+            "user_flip_prob": 1.0}  # flipped verdicts: the tiny model's answers count as wins, updates are not zero
+    grid = Grid(tasks=["arc_challenge"], algorithms=["spear"], seeds=[0], axes={"dp": ["off", "client"]}, base=base)
+    plain, private = grid.cells(tmp_path)
+    a, b = plain.config.to_dict(), private.config.to_dict()
+    assert {k for k in a if a[k] != b[k]} == {"dp", "output_dir"}
+    (tmp_path / "grid.toml").write_text(
+        'tasks = ["arc_challenge"]\nalgorithms = ["spear"]\nseeds = [0]\n\n[axes]\ndp = ["off", "client"]\n\n[base]\n'
+        + "".join(f"{k} = {json.dumps(v)}\n" for k, v in base.items()))
+    out = tmp_path / "cmp"
+    cmd = [sys.executable, "-m", "fedspear.cli", "compare", "--grid", str(tmp_path / "grid.toml"), "--output-dir",
+           str(out)]
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
+    assert done.returncode == 0, done.stderr[-3000:]
+
+    ledger = PrivacyLedger(RunConfig(**{**base, "dp": "client"}).resolved())
+    ledger.release()
+    assert ledger.epsilon == pytest.approx(4.728507, abs=1e-6)
+    ledger.release()
+    assert ledger.epsilon == pytest.approx(7.077392, abs=1e-6)  # by hand in test_deploy's DP test
+    data = json.loads((out / "comparison.json").read_text())
+    by_name = {c["cell"]: c for c in data["cells"]}
+    assert by_name["arc_challenge-spear-dp=off-s0"]["privacy"] is None
+    spent = by_name["arc_challenge-spear-dp=client-s0"]["privacy"]
+    assert spent["dp_releases"] == 2 and spent["dp_epsilon"] == pytest.approx(ledger.epsilon, rel=1e-12)
+    text = (out / "comparison.md").read_text()
+    assert "## Privacy spent" in text
+    assert f"| arc_challenge-spear-dp=client-s0 | 1 | 0.5 | 2 | {ledger.epsilon:.3f} | 1e-05 |" in text
+    assert "| arc_challenge-spear-dp=off-s0 |" not in text.split("## Privacy spent")[1].split("##")[0]

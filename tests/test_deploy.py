@@ -236,19 +236,14 @@ def _processes_mentioning(path: Path) -> list[int]:
 BOUND = float(os.environ.get("FEDSPEAR_DEPLOY_TEST_SECONDS", 900))
 
 
-@pytest.mark.slow
-def test_deploy_local_example(tmp_path):
-    """``examples/deploy-local/run.py`` with the packaged model at tiny sizes, bounded to ``BOUND`` s (15 min): 2
-    rounds over TLS with both registered SuperNodes, the unregistered one refused, each node's model loaded once, a
-    finite aggregated adapter, and no process left behind."""
-    out = tmp_path / "deploy"
+def _run_example(out: Path, args: list[str]) -> tuple[dict, str]:
+    """Run ``examples/deploy-local/run.py --output-dir out *args``, bounded to ``BOUND`` s; its summary and log.
+    Fails the test when it times out (after stopping it), exits non-zero or reports an error."""
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO / "src"), os.environ.get("PYTHONPATH", "")])}
-    sizes = ["--rounds", "2", "--rollouts-per-round", "2", "--eval-size", "4", "--local-steps", "1",
-             "--max-new-tokens", "8", "--train-size", "20"]
-    log = tmp_path / "example.log"
+    log = out.with_name(out.name + ".log")
     with open(log, "wb") as f:
         proc = subprocess.Popen([sys.executable, str(REPO / "examples" / "deploy-local" / "run.py"),
-                                 "--output-dir", str(out), *sizes, "--timeout", str(BOUND - 120)],
+                                 "--output-dir", str(out), *args, "--timeout", str(BOUND - 120)],
                                 stdout=f, stderr=subprocess.STDOUT, env=env)
         try:
             proc.wait(timeout=BOUND)
@@ -256,9 +251,20 @@ def test_deploy_local_example(tmp_path):
             proc.terminate()  # the example's SIGTERM handler stops everything it started, then exits
             proc.wait(timeout=120)
             pytest.fail(f"examples/deploy-local took longer than {BOUND:.0f} s:\n{log.read_text()[-3000:]}")
-    summary = json.loads((out / "summary.json").read_text())
     assert proc.returncode == 0, log.read_text()[-5000:]
+    summary = json.loads((out / "summary.json").read_text())
     assert "error" not in summary
+    return summary, log.read_text()
+
+
+@pytest.mark.slow
+def test_deploy_local_example(tmp_path):
+    """``examples/deploy-local/run.py`` with the packaged model at tiny sizes, bounded to ``BOUND`` s (15 min): 2
+    rounds over TLS with both registered SuperNodes, the unregistered one refused, each node's model loaded once, a
+    finite aggregated adapter, and no process left behind."""
+    out = tmp_path / "deploy"
+    summary, _ = _run_example(out, ["--rounds", "2", "--rollouts-per-round", "2", "--eval-size", "4",
+                                    "--local-steps", "1", "--max-new-tokens", "8", "--train-size", "20"])
 
     # TLS on the SuperLink; both nodes registered; the unregistered node refused by the SuperLink
     link_log = (out / "logs" / "superlink.log").read_text()
@@ -292,3 +298,36 @@ def test_deploy_local_example(tmp_path):
     # everything started was stopped
     assert summary["leftover_pids"] == []
     assert _processes_mentioning(out) == []
+
+
+@pytest.mark.slow
+def test_deploy_local_example_with_client_side_dp(tmp_path):
+    """``run.py --dp client`` on the tiny model, over TLS: the simulated user flips every verdict
+    (``--set user_flip_prob=1.0``), so the tiny model's wrong answers count as wins and its SPEAR updates are not
+    zero; the nodes' ClientApps clip them with Flower's ``fixedclipping_mod`` to C = 1e-4 (far below their
+    norm), the ServerApp noises the average (σ = z·C/2) and records ε after every round: 4.728507 after round 1 at
+    z = 1, δ = 1e-5 (by hand in test_dp) and 7.077392 after round 2: the RDP bound at T = 2, best order α = 4.2:
+    2·4.2/2 + ln(1 − 1/4.2) − (ln 1e-5 + ln 4.2)/3.2 = 4.2 − 0.271934 + 3.149325 = 7.077391."""
+    out = tmp_path / "deploy-dp"
+    summary, log = _run_example(out, [
+        "--model", "tiny-random", "--rounds", "2", "--rollouts-per-round", "2", "--eval-size", "4", "--local-steps",
+        "1", "--max-new-tokens", "8", "--train-size", "20", "--set", "user_flip_prob=1.0",
+        "--dp", "client", "--dp-noise-multiplier", "1.0", "--dp-clip-norm", "1e-4"])
+    assert [r["clients_ok"] for r in summary["rounds"]] == [2, 2]
+    assert summary["leftover_pids"] == [] and _processes_mentioning(out) == []
+
+    from fedspear.config import load_config
+    from fedspear.rundir import RunDir
+
+    run = RunDir(out / "run")
+    cfg = load_config(run.config_path).resolved()
+    assert (cfg.dp, cfg.dp_noise_multiplier, cfg.dp_clip_norm, cfg.user_flip_prob) == ("client", 1.0, 1e-4, 1.0)
+    records = [r for r in run.records() if r["round"] > 0]
+    clients = [c for r in records for c in r["clients"]]
+    assert all(c["num-wins"] > 0 for c in clients)  # flipped verdicts: every client trained on wins
+    # every update the server aggregated was clipped on the node: norm C (theirs were far larger), never above
+    assert all(c["update_norm"] == pytest.approx(1e-4, rel=1e-3) for c in clients), [c["update_norm"] for c in clients]
+    assert [r["dp_epsilon"] for r in summary["rounds"]] == pytest.approx([4.728507, 7.077392], abs=1e-6)
+    assert all(r["dp_sigma"] == pytest.approx(1.0 * 1e-4 / 2) for r in records)
+    assert all(np.isfinite(v).all() for v in run.load_adapter(2).values())
+    assert "ε 4.729" in log

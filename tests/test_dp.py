@@ -13,15 +13,18 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from flwr.app import ConfigRecord, Context, Error, Message, MessageType, MetricRecord, RecordDict
+from flwr.app import ConfigRecord, Context, Message, MessageType, RecordDict
 
 from fedspear.aggregation import fixed_denominator_mean
 from fedspear.config import ConfigError, RunConfig
 from fedspear.fl.privacy import STATE_FILE, PrivacyLedger, PrivateRounds, noise_rng, reply_norm_bound
+from fedspear.fl.server_app import _count_unrecorded_release, _resume_ledger, _round_record
 from fedspear.fl.strategy import LAYOUT_KEY, WinWeightedFedAvg, from_record, layout_of, to_record
 from fedspear.rundir import RunDir, RunDirError
 from fedspear.server_opt import ServerOptState, fedadam_step
 from fedspear.validation import update_norm
+
+from helpers import error_reply, train_reply
 
 pytestmark = pytest.mark.usefixtures("task_identity")
 pytest.importorskip("dp_accounting", reason='the privacy accountant needs flwr[dp] (pip install "flwr[dp]")')
@@ -48,6 +51,7 @@ def _cfg(**kw) -> RunConfig:
 def _private(cfg: RunConfig) -> tuple[WinWeightedFedAvg, PrivateRounds]:
     strategy = WinWeightedFedAvg(cfg.clients_per_round, cfg.num_clients, seed=cfg.seed, wait_seconds=0,
                                  max_update_norm=reply_norm_bound(cfg), dp_denominator=cfg.clients_per_round,
+                                 dp_clip_norm=cfg.dp_clip_norm,
                                  server_opt=cfg.strategy if cfg.strategy in ("fedadam", "fedyogi") else None,
                                  server_lr=cfg.server_lr)
     return strategy, PrivateRounds(strategy, cfg)
@@ -58,19 +62,8 @@ def _configure(driver, theta: dict, server_round: int = 1, n_nodes: int = 8) -> 
     return list(driver.configure_train(server_round, to_record(theta), config, FakeGrid(n_nodes)))
 
 
-def _reply(node: int, arrays: dict, wins: int = 1) -> Message:
-    content = RecordDict({"arrays": to_record(arrays),
-                          "metrics": MetricRecord({"weight": wins, "num-wins": wins, **COUNTERS})})
-    msg = Message(content=content, dst_node_id=0, message_type=MessageType.TRAIN)
-    msg.metadata.__dict__["_src_node_id"] = node  # as if it came from that node
-    return msg
-
-
-def _error_reply(node: int) -> Message:
-    msg = Message(content=RecordDict(), dst_node_id=0, message_type=MessageType.TRAIN)
-    msg = Message(error=Error(code=0, reason="RuntimeError: injected crash"), reply_to=msg)
-    msg.metadata.__dict__["_src_node_id"] = node
-    return msg
+def _reply(node: int, arrays, wins: int = 1):
+    return train_reply(node, arrays, {"weight": wins, "num-wins": wins, **COUNTERS})
 
 
 THETA = {"a.lora_A": np.linspace(-1, 1, 12, dtype=np.float32).reshape(3, 4), "a.lora_B": np.zeros((4, 2), np.float32)}
@@ -127,6 +120,21 @@ def test_fixed_denominator_mean_by_hand():
         fixed_denominator_mean(theta, clients, [1, 1, 1], 2)
 
 
+def test_fixed_denominator_mean_holds_every_update_to_c_itself():
+    """C = 1, m = 2, θ = (1, 1): Δ = (3, 4) (norm 5) is scaled to (0.6, 0.8); Δ = (0.3, 0.4) (norm 0.5) is kept:
+    θ + ((0.6, 0.8) + (0.3, 0.4)) / 2 = (1.45, 1.6). A reply 5e-4 over C (inside the server's slack) is scaled to
+    exactly C, so one client moves the mean by at most C/m = 0.5."""
+    theta = {"a": np.ones(1, np.float64), "b": np.ones(1, np.float64)}
+    clients = [{"a": np.array([4.0]), "b": np.array([5.0])}, {"a": np.array([1.3]), "b": np.array([1.4])}]
+    out = fixed_denominator_mean(theta, clients, [1, 1], 2, clip_norm=1.0)
+    np.testing.assert_allclose([out["a"][0], out["b"][0]], [1.45, 1.6], rtol=1e-12)
+    over = {"a": np.array([1.0 + 0.6 * 1.0005]), "b": np.array([1.0 + 0.8 * 1.0005])}
+    moved = fixed_denominator_mean(theta, [over], [1], 2, clip_norm=1.0)
+    assert math.hypot(moved["a"][0] - 1, moved["b"][0] - 1) == pytest.approx(0.5, rel=1e-12)
+    with pytest.raises(ValueError, match="clip_norm must be positive"):
+        fixed_denominator_mean(theta, clients, [1, 1], 2, clip_norm=0.0)
+
+
 # ---- (a) clipping, checked where the server receives the replies ------------------------------------------------------
 def test_server_side_clipping_bounds_every_update_the_strategy_receives():
     """dp = server, z = 0 (no noise, so the average is checked exactly): updates of norm 10, 3, 0.5 and C = 1. The
@@ -146,6 +154,10 @@ def test_server_side_clipping_bounds_every_update_the_strategy_receives():
     norms = [update_norm(THETA, r) for r in received]
     assert max(norms) <= cfg.dp_clip_norm * (1 + 1e-6)
     assert norms == pytest.approx([1.0, 1.0, 0.5], rel=1e-5)
+    # the norms the round record logs per client are those the average used (after clipping)
+    assert strategy.update_norms == pytest.approx({100: 1.0, 101: 1.0, 102: 0.5}, rel=1e-5)
+    record = _round_record(1, 1e-3, replies, True, {}, strategy.update_norms)
+    assert [c["update_norm"] for c in record["clients"]] == pytest.approx([1.0, 1.0, 0.5], rel=1e-5)
     unit = [_shifted({k: np.zeros_like(v) for k, v in THETA.items()}, d, 1.0) for d in dirs]
     expected = {k: THETA[k] + (unit[0][k] + unit[1][k] + 0.5 * unit[2][k]) / 4 for k in THETA}
     for k in THETA:
@@ -156,7 +168,7 @@ def test_server_side_clipping_bounds_every_update_the_strategy_receives():
 def test_client_side_clipping_happens_in_the_clientapp_and_the_server_checks_it(monkeypatch):
     """dp = client: the ClientApp (with its train-handler mod) receives C = 0.5 in the config and replies with an
     update of norm ≤ C although training moved it by 10; the server decodes the reply and finds ‖Δ‖ ≤ C. A reply
-    that skipped the mod (norm 10) is rejected by the server's bound C(1 + 1e-3). The query handler has no mod."""
+    that skipped the mod (norm 10) is rejected by the server's bound C(1 + 1e-3). The query handler still answers."""
     from fedspear.fl import client_app
 
     cfg = _cfg(dp="client", dp_clip_norm=0.5, dp_noise_multiplier=0.0)
@@ -229,13 +241,13 @@ def test_error_and_rejected_replies_are_excluded_before_the_wrapper_and_count_as
     _configure(private, THETA)
     good = _shifted(THETA, _direction(2), 0.8)
     nan = {**THETA, "a.lora_A": np.full((3, 4), np.nan, np.float32)}
-    out, rejected, dropped = private.aggregate_train(1, [_reply(100, good), _error_reply(101), _reply(102, nan)])
+    out, rejected, dropped = private.aggregate_train(1, [_reply(100, good), error_reply(101), _reply(102, nan)])
     assert set(rejected) == {101, 102} and "injected crash" in rejected[101] and "non-finite" in rejected[102]
     assert dropped == {101}  # error code 0 (unknown) is not an exception raised by the client's code
     for k in THETA:
         np.testing.assert_allclose(out[k], THETA[k] + (good[k] - THETA[k]) / 4, atol=1e-7)
     assert private.ledger.releases == 1
-    out, rejected, _ = private.aggregate_train(2, [_error_reply(101)])  # nothing accepted: nothing released
+    out, rejected, _ = private.aggregate_train(2, [error_reply(101)])  # nothing accepted: nothing released
     assert out is None and private.ledger.releases == 1 and not strategy.last_aggregated
 
 
@@ -321,7 +333,6 @@ def test_reported_epsilon_equals_the_accountant_and_survives_a_resume(tmp_path):
     restores the same ε; state from other settings or disagreeing with metrics.jsonl is refused."""
     from flwr.serverapp import GaussianPrivacyEvent, NeighboringRelation, PrivacyConfig, RdpAccountant, SamplingMethod
 
-    from fedspear.fl.server_app import _resume_ledger
 
     cfg = _cfg(num_clients=10, clients_per_round=2, dp_noise_multiplier=0.8)
     ledger, eps = PrivacyLedger(cfg), []
@@ -346,6 +357,31 @@ def test_reported_epsilon_equals_the_accountant_and_survives_a_resume(tmp_path):
                                      dp_delta=1e-6))[1], run, 4, {"round": 4, "dp_releases": 4})
     with pytest.raises(RunDirError, match="cannot resume without its privacy accountant state"):
         _resume_ledger(_private(cfg)[1], run, 3, {"round": 3, "dp_releases": 3})
+
+
+def test_a_noised_adapter_saved_but_not_recorded_stays_counted(tmp_path):
+    """A kill between saving round 5's noised adapter and appending its record: the resume redoes round 5, so the
+    saved adapter's release must stay in the ledger (6 releases for 5 rounds afterwards). An orphan whose ledger
+    state is not exactly one release ahead is refused; without an orphan nothing changes."""
+
+    cfg = _cfg(num_clients=10, clients_per_round=2, dp_noise_multiplier=0.8)
+    ledger = PrivacyLedger(cfg)
+    run = RunDir(tmp_path)
+    for t in range(1, 6):
+        ledger.release()
+        run.save_adapter(t, THETA, None, json_state={STATE_FILE: ledger.state_dict()})
+    _, private = _private(cfg)
+    _resume_ledger(private, run, 4, {"round": 4, "dp_releases": 4})
+    _count_unrecorded_release(private, run, 4)
+    assert private.ledger.releases == 5 and private.ledger.epsilon == ledger.epsilon
+    _, fresh = _private(cfg)
+    _resume_ledger(fresh, run, 5, {"round": 5, "dp_releases": 5})
+    _count_unrecorded_release(fresh, run, 5)  # no round 6 saved: unchanged
+    assert fresh.ledger.releases == 5
+    _, behind = _private(cfg)
+    _resume_ledger(behind, run, 3, {"round": 3, "dp_releases": 3})
+    with pytest.raises(RunDirError, match="without a matching privacy accountant state"):
+        _count_unrecorded_release(behind, run, 4)  # round 5's state is 2 ahead of round 3's
 
 
 def test_a_resumed_adapter_is_packed_in_the_models_order(tmp_path):
@@ -441,3 +477,38 @@ def test_a_tiny_dp_run_reports_rising_epsilon_and_resumes_to_the_same_adapter(tm
     assert resumed[2]["dp_epsilon"] == trained[1]["dp_epsilon"] and resumed[2]["dp_releases"] == 2
     again = load_file(out / "adapters" / "round_0002" / "adapter_model.safetensors")
     assert set(again) == set(final) and all(np.array_equal(again[k], final[k]) for k in final)
+
+
+@pytest.mark.slow
+def test_a_dp_run_killed_mid_round_resumes_to_the_same_adapter_and_epsilon(tmp_path):
+    """kill -9 of the whole run (CLI and Ray) inside round 2 of 3 (packaged SmolLM2, fp32, as
+    test_reliability's resume test), then the same command: the same final adapter as a run never interrupted
+    (max |Δθ| ≤ 1e-6; seeded noise, same packing), the same ε and releases per round, and clipping that bit
+    (every aggregated update has norm C = 1e-3; the flipped user makes every answer a win, so no update is zero)."""
+    from safetensors.numpy import load_file
+
+    from helpers import kill_run_after_round
+
+    args = ["run", "--rounds", "3", "--clients", "2", "--clients-per-round", "2", "--rollouts-per-round", "4",
+            "--eval-size", "4", "--dtype", "fp32", "--set", "local_steps=2", "--set", "batch_size=2",
+            "--set", "eval_every=3", "--set", "train_size=40", "--set", "max_new_tokens=8", "--set", "lr=0.001",
+            "--set", "user_flip_prob=1.0", "--set", "dp=client", "--set", "dp_clip_norm=1e-3",
+            "--set", "dp_noise_multiplier=1.0", "--set", "dp_noise_seed=5"]
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(Path(__file__).parents[1] / "src"),
+                                                                    os.environ.get("PYTHONPATH")])))
+    whole, killed = tmp_path / "whole", tmp_path / "killed"
+    proc = subprocess.run([FEDSPEAR, *args, "-o", str(whole)], capture_output=True, text=True, timeout=900, env=env)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    kill_run_after_round([FEDSPEAR, *args, "-o", str(killed)], killed, after_round=1, env=env)  # inside round 2
+    assert [r["round"] for r in _records(killed)] == [0, 1]
+    proc = subprocess.run([FEDSPEAR, *args, "-o", str(killed)], capture_output=True, text=True, timeout=900, env=env)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "resuming" in proc.stderr
+
+    a, b = (load_file(out / "adapters" / "round_0003" / "adapter_model.safetensors") for out in (whole, killed))
+    assert set(a) == set(b) and max(float(np.max(np.abs(a[k] - b[k]))) for k in a) <= 1e-6
+    first, again = _records(whole)[1:], _records(killed)[1:]
+    assert [(r["dp_releases"], r["dp_epsilon"]) for r in first] == [(r["dp_releases"], r["dp_epsilon"]) for r in again]
+    assert [r["dp_releases"] for r in first] == [1, 2, 3] and first[0]["dp_epsilon"] == pytest.approx(4.728507, abs=1e-6)
+    norms = [c["update_norm"] for r in first for c in r["clients"]]
+    assert len(norms) == 6 and all(n == pytest.approx(1e-3, rel=1e-3) for n in norms), norms

@@ -4,15 +4,15 @@ from __future__ import annotations
 
 import json
 import os
-import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import numpy as np
 import pytest
 from safetensors.numpy import load_file
+
+from helpers import kill_run_after_round
 
 pytestmark = pytest.mark.slow
 
@@ -65,22 +65,6 @@ def _stable(value):
     return value
 
 
-def _descendants(pid: int) -> list[int]:
-    children: dict[int, list[int]] = {}
-    for status in Path("/proc").glob("[0-9]*/status"):
-        try:
-            fields = dict(line.split(":\t", 1) for line in status.read_text().splitlines() if ":\t" in line)
-            children.setdefault(int(fields["PPid"]), []).append(int(fields["Pid"]))
-        except (OSError, KeyError, ValueError):
-            continue
-    out, stack = [], [pid]
-    while stack:
-        for child in children.get(stack.pop(), []):
-            out.append(child)
-            stack.append(child)
-    return out
-
-
 def test_sigkill_mid_round_then_resume_equals_an_uninterrupted_run(tmp_path):
     """FedAdam, fp32: kill -9 the whole run (CLI and Ray) inside round 2, resume, and compare with a run that was
     never interrupted: the same final adapter (max |Δθ| ≤ 1e-6), the same server-optimiser moments, the same metrics
@@ -89,23 +73,7 @@ def test_sigkill_mid_round_then_resume_equals_an_uninterrupted_run(tmp_path):
     proc = subprocess.run([FEDSPEAR, "run", *ARGS, "-o", str(whole)], capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stderr[-3000:]
 
-    run = subprocess.Popen([FEDSPEAR, "run", *ARGS, "-o", str(killed)], stdout=subprocess.DEVNULL,
-                           stderr=subprocess.DEVNULL, start_new_session=True)
-    deadline = time.time() + 600
-    while time.time() < deadline and not (
-        (killed / "metrics.jsonl").is_file() and any(r["round"] == 1 for r in _records(killed))
-    ):
-        time.sleep(0.5)
-    time.sleep(3)  # well inside round 2
-    assert run.poll() is None, "the run ended before it could be killed"
-    family = _descendants(run.pid)
-    os.killpg(run.pid, signal.SIGKILL)
-    for pid in family:  # Ray's processes too: the whole run dies at once
-        try:
-            os.kill(pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-    run.wait()
+    kill_run_after_round([FEDSPEAR, "run", *ARGS, "-o", str(killed)], killed, after_round=1)  # inside round 2
     assert [r["round"] for r in _records(killed)] == [0, 1]
 
     proc = subprocess.run([FEDSPEAR, "run", *ARGS, "-o", str(killed)], capture_output=True, text=True, timeout=900)

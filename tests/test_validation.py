@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from flwr.app import Error, Message, MessageType, MetricRecord, RecordDict
 
 from fedspear.fl.strategy import WinWeightedFedAvg, from_record, layout_of, to_record
 from fedspear.validation import check_reply, update_norm
+
+from helpers import error_reply, train_reply
 
 G = {"a": np.zeros((2, 3), np.float32), "b": np.ones(4, np.float32)}
 OK = {"weight": 3, "num-wins": 3, "num-losses": 1, "prompts": 4, "tokens_generated": 40}
@@ -44,18 +45,8 @@ def test_update_norm_by_hand():
     assert update_norm(G, {k: v + 1.0 for k, v in G.items()}) == pytest.approx(np.sqrt(10))
 
 
-def _reply(node: int, arrays, wins: int = 1) -> Message:
-    content = RecordDict({"arrays": to_record(arrays), "metrics": MetricRecord({**OK, "weight": wins, "num-wins": wins})})
-    msg = Message(content=content, dst_node_id=0, message_type=MessageType.TRAIN)
-    msg.metadata.__dict__["_src_node_id"] = node  # as if it came from that node
-    return msg
-
-
-def _error_reply(node: int) -> Message:
-    msg = Message(content=RecordDict(), dst_node_id=0, message_type=MessageType.TRAIN)
-    msg = Message(error=Error(code=0, reason="RuntimeError: injected crash"), reply_to=msg)
-    msg.metadata.__dict__["_src_node_id"] = node  # as if it came from that node
-    return msg
+def _reply(node: int, arrays, wins: int = 1):
+    return train_reply(node, arrays, {**OK, "weight": wins, "num-wins": wins})
 
 
 def test_bad_replies_are_excluded_and_the_round_goes_on():
@@ -67,7 +58,7 @@ def test_bad_replies_are_excluded_and_the_round_goes_on():
         _reply(2, {**G, "a": np.full((2, 3), np.nan, np.float32)}),
         _reply(3, {**G, "a": np.zeros((1, 1), np.float32)}),
         _reply(4, {k: v + 1e6 for k, v in G.items()}),
-        _error_reply(5),
+        error_reply(5),
     ]
     arrays, metrics = strategy.aggregate_train(1, replies)
     out = from_record(arrays, layout_of(G))
@@ -81,7 +72,7 @@ def test_bad_replies_are_excluded_and_the_round_goes_on():
 def test_nothing_accepted_gives_no_new_adapter():
     strategy = WinWeightedFedAvg(clients_per_round=1, min_available_nodes=1)
     strategy.current_arrays, strategy.current_layout = to_record(G), layout_of(G)
-    assert strategy.aggregate_train(1, [_error_reply(7)]) == (None, None)
+    assert strategy.aggregate_train(1, [error_reply(7)]) == (None, None)
 
 
 @pytest.mark.parametrize("rule", ["median", "trimmed_mean"])

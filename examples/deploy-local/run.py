@@ -32,13 +32,16 @@ import socket
 import subprocess
 import sys
 import time
+import tomllib
 import uuid
 from pathlib import Path
 
 import psutil
 
+from fedspear.config import ConfigError, RunConfig
 from fedspear.deploy import make_node_keys, make_server_certificates
 from fedspear.fl.node_worker import ping
+from fedspear.report import epsilon_text
 
 REPO = Path(__file__).resolve().parents[2]
 BIN = Path(sys.executable).parent  # flower-superlink, flower-supernode, flwr live beside this Python
@@ -192,7 +195,27 @@ def write_run_settings(path: Path, args: argparse.Namespace) -> None:
         f"seed = {args.seed}",
         f"round_timeout = {float(args.timeout)}",
         *([f"max_new_tokens = {args.max_new_tokens}"] if args.max_new_tokens else []),
+        *([f'dp = "{args.dp}"', f"dp_noise_multiplier = {args.dp_noise_multiplier}",
+           f"dp_clip_norm = {args.dp_clip_norm}"] if args.dp != "off" else []),
+        *(f"{key} = {toml_value(value)}" for key, value in args.set),
     ]) + "\n")
+
+
+def key_value(text: str) -> tuple[str, str]:
+    """``--set KEY=VALUE`` as (key, value); argparse reports anything else as a usage error."""
+    key, sep, value = text.partition("=")
+    if not sep or not key.strip():
+        raise argparse.ArgumentTypeError(f"expected KEY=VALUE, got {text!r}")
+    return key.strip(), value.strip()
+
+
+def toml_value(text: str) -> str:
+    """``text`` as a TOML value: itself when it is a TOML literal (number, boolean, quoted string), else quoted."""
+    try:
+        tomllib.loads(f"v = {text}")
+        return text
+    except tomllib.TOMLDecodeError:
+        return json.dumps(text)
 
 
 def read_records(run_dir: Path) -> list[dict]:
@@ -229,7 +252,8 @@ def summarise(records: list[dict]) -> list[dict]:
                                "seconds_load_model": c.get("seconds_load_model", 0.0)}
             last_loads[pid] = (worker, loads)
         rounds.append({"round": r["round"], "seconds": r["seconds"]["round"], "clients_ok": r["clients_ok"],
-                       "acc_gen": (r.get("eval") or {}).get("acc_gen"), "nodes": nodes})
+                       "acc_gen": (r.get("eval") or {}).get("acc_gen"), "nodes": nodes,
+                       **({k: r[k] for k in ("dp_epsilon", "dp_releases")} if "dp_releases" in r else {})})
     return rounds
 
 
@@ -362,8 +386,20 @@ def main() -> int:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--timeout", type=float, default=1800, help="seconds the run may take once submitted")
     parser.add_argument("--no-worker", action="store_true", help="no node workers: each ClientApp loads the model")
+    parser.add_argument("--dp", choices=["off", "client", "server"], default="off",
+                        help="central DP: client = each node clips its update (Flower's fixedclipping_mod), "
+                             "server = the ServerApp clips; Gaussian noise on the average either way")
+    parser.add_argument("--dp-noise-multiplier", type=float, default=1.0, help="DP noise multiplier z")
+    parser.add_argument("--dp-clip-norm", type=float, default=1.0, help="DP clipping norm C")
+    parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", type=key_value,
+                        help="any other run setting (as `fedspear run --set`), e.g. user_flip_prob=0.2; repeatable")
     args = parser.parse_args()
 
+    try:  # a bad --set stops here, before any process starts
+        RunConfig(**{key: tomllib.loads(f"v = {toml_value(value)}")["v"] for key, value in args.set})
+    except (TypeError, ConfigError) as err:
+        print(f"error: --set: {err}", file=sys.stderr)
+        return 2
     out = Path(args.output_dir).resolve()
     if (out / "run" / "metrics.jsonl").exists():
         print(f"error: {out} already holds a run; remove it or choose another --output-dir", file=sys.stderr)
@@ -404,7 +440,8 @@ def print_summary(s: dict) -> None:
         print(f"  FAILED: {s['error']}")
     for r in s.get("rounds", []):
         loads = ", ".join(f"node {k}: {v.get('model_loads_this_round', v.get('error'))}" for k, v in r["nodes"].items())
-        print(f"  round {r['round']}: {r['seconds']:.1f} s, accuracy {r['acc_gen']}, model loads this round: {loads}")
+        eps = f", ε {epsilon_text(r)}" if "dp_releases" in r else ""
+        print(f"  round {r['round']}: {r['seconds']:.1f} s, accuracy {r['acc_gen']}{eps}, model loads this round: {loads}")
     if "worker_loads" in s:
         print(f"  node workers at the end: {s['worker_loads']}")
     if "intruder" in s:

@@ -97,7 +97,8 @@ def pseudo_gradient(global_arrays: Arrays, averaged: Arrays) -> dict[str, np.nda
 
 
 def fixed_denominator_mean(
-    global_arrays: Arrays, client_arrays: Sequence[Arrays], weights: Sequence[float], denominator: int
+    global_arrays: Arrays, client_arrays: Sequence[Arrays], weights: Sequence[float], denominator: int,
+    clip_norm: float | None = None,
 ) -> dict[str, np.ndarray]:
     """``theta + (1/m) sum_k [w_k > 0] (theta_k - theta)``: equal weights, fixed denominator ``m`` (DP mode).
 
@@ -109,19 +110,25 @@ def fixed_denominator_mean(
     win-weighted mean; the decision uses that client's own reply only, so it keeps the bound. Clients that did not
     reply count as zero updates: the denominator stays ``m``.
 
+    With ``clip_norm`` C every update is scaled by min(1, C/‖theta_k − theta‖₂) here, in float64, before it is
+    summed: the bound then holds exactly whatever rounding or slack let a reply through (a client-clipped reply may
+    exceed C by float32 rounding; ``fedspear.fl.privacy.NORM_SLACK``). Honest replies are within C and unchanged
+    up to that rounding.
+
     Args:
         global_arrays: ``theta^(t)`` as broadcast, name -> array (fixes names, shapes, dtypes).
         client_arrays: each accepted client's ``theta_k``.
         weights: each client's aggregation weight; only ``> 0`` matters.
         denominator: ``m``, the number of clients sampled this round (``clients_per_round``), at least
             ``len(client_arrays)``.
+        clip_norm: C, the L2 bound each update is held to (None: updates are taken as they are).
 
     Returns:
         New arrays in the global order and dtypes (float64 accumulation, cast back once).
 
     Raises:
         ValueError: lengths differ, a weight is negative or not finite, ``denominator < len(client_arrays)`` or not
-            positive, or a client's names or shapes differ from the global ones.
+            positive, ``clip_norm`` is not positive, or a client's names or shapes differ from the global ones.
     """
     if len(client_arrays) != len(weights):
         raise ValueError(f"got {len(client_arrays)} client updates but {len(weights)} weights; they pair up one to one")
@@ -130,14 +137,21 @@ def fixed_denominator_mean(
         raise ValueError(f"weights must be finite and >= 0, got {list(weights)}")
     if denominator < max(1, len(client_arrays)):
         raise ValueError(f"denominator {denominator} must be positive and at least the {len(client_arrays)} clients")
+    if clip_norm is not None and not clip_norm > 0:
+        raise ValueError(f"clip_norm must be positive, got {clip_norm}")
     for k, arrays in enumerate(client_arrays):
         check_same_layout(global_arrays, arrays, f"client {k}'s update")
+    scale = np.ones(len(client_arrays))  # [K]
+    if clip_norm is not None:
+        norms = np.sqrt([sum(float(np.sum((np.asarray(arrays[n], np.float64) - np.asarray(ref, np.float64)) ** 2))
+                             for n, ref in global_arrays.items()) for arrays in client_arrays])
+        scale = np.minimum(1.0, clip_norm / np.maximum(norms, np.finfo(np.float64).tiny))
     out = {}
     for name, reference in global_arrays.items():
         theta = np.asarray(reference, dtype=np.float64)
         acc = np.zeros(np.shape(reference), dtype=np.float64)
-        for wk, arrays in zip(w, client_arrays):
+        for wk, sk, arrays in zip(w, scale, client_arrays):
             if wk > 0:
-                acc += np.asarray(arrays[name], dtype=np.float64) - theta
+                acc += sk * (np.asarray(arrays[name], dtype=np.float64) - theta)
         out[name] = (theta + acc / denominator).astype(np.asarray(reference).dtype)
     return out

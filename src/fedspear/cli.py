@@ -19,6 +19,8 @@ from typing import Optional
 import typer
 
 from .config import ConfigError, RunConfig, load_config
+from .compare import AXES
+from .report import epsilon_text
 
 app = typer.Typer(add_completion=False, pretty_exceptions_show_locals=False, no_args_is_help=True, help="Online federated fine-tuning from feedback (SPEAR).")
 
@@ -78,7 +80,7 @@ def preflight(cfg: RunConfig) -> None:
     dirichlet_partitions(train[:n], cfg.num_clients, cfg.dirichlet_alpha, cfg.seed, cfg.partitioner)
     if cfg.model != TINY_MODEL:
         resolve_model_dir(cfg.model)
-    if cfg.dp != "off":
+    if cfg.dp != "off" and cfg.dp_noise_multiplier > 0:  # z = 0 composes nothing: no accountant needed
         import importlib.util
 
         if importlib.util.find_spec("dp_accounting") is None:
@@ -174,8 +176,7 @@ def _run(cfg: RunConfig, verbose: bool) -> None:
                 f"round {record['round']}: wins {record['wins']} losses {record['losses']} revisions "
                 f"{record['revisions_successful']}/{record['revisions_attempted']} initial acc "
                 f"{(initial_accuracy(record) or 0):.2f}  {acc}  ({record['seconds']['round']:.0f} s)"
-                + (f"  ε {'∞' if record['dp_epsilon'] is None else format(record['dp_epsilon'], '.3f')} "
-                   f"(δ {record['dp_delta']:g})" if "dp_releases" in record else "")
+                + (f"  ε {epsilon_text(record)} (δ {record['dp_delta']:g})" if "dp_releases" in record else "")
             )
             progress.update(bar, completed=record["round"])
 
@@ -209,9 +210,7 @@ def compare(
     tasks: Optional[str] = typer.Option(None, help="comma-separated tasks (overrides the preset's)"),
     algorithms: Optional[str] = typer.Option(None, help="comma-separated algorithms (overrides the preset's)"),
     seeds: Optional[str] = typer.Option(None, help="comma-separated seeds (overrides the preset's)"),
-    vary: list[str] = typer.Option([], "--vary", help="an axis: --vary mu=0.1,0.3 (mu, tau, lambda_l, max_revisions, "
-                                   "strategy, num_clients, dirichlet_alpha, last_layers, centralized, user_flip_prob, "
-                                   "user_irrelevant_prob)"),
+    vary: list[str] = typer.Option([], "--vary", help=f"an axis: --vary mu=0.1,0.3 ({', '.join(AXES)})"),
     set_: list[str] = typer.Option([], "--set", help="a setting every cell shares: --set rounds=5"),
     output_dir: Optional[Path] = typer.Option(None, "--output-dir", "-o", help="where cells and the summary go "
                                               "(default runs/compare-<preset>)"),

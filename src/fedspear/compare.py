@@ -35,13 +35,14 @@ from typing import Any, Callable
 from .config import ALGORITHMS, ConfigError, RunConfig, load_config, read_toml
 from .paper_settings import PRESETS as RUN_PRESETS, preset_settings
 from .rundir import LEGACY_DEFAULTS, RunDir, initial_accuracy, initial_samples
+from .report import epsilon_text
 
 PARTITIONER_DEFAULT = RunConfig.__dataclass_fields__["partitioner"].default
 
 # the settings the paper's ablations and robustness studies vary (SPEC §5, issue "compare"); "centralized" is
 # shorthand for one client holding all the data
 AXES = ("mu", "tau", "lambda_l", "max_revisions", "strategy", "num_clients", "dirichlet_alpha", "last_layers",
-        "centralized", "user_flip_prob", "user_irrelevant_prob")
+        "centralized", "user_flip_prob", "user_irrelevant_prob", "dp", "dp_noise_multiplier", "dp_clip_norm")
 
 NAMES = {"spear": "SPEAR", "feedback_sft": "Feedback SFT", "grpo": "GRPO", "opsd": "OPSD", "rltf_sd": "RLTF-SD",
          "opsd_authors": "OPSD (authors)"}
@@ -448,6 +449,8 @@ def cell_summary(cell: Cell) -> dict[str, Any] | None:
     first = records[0]["eval"]
     last = next(r for r in reversed(records) if r.get("eval"))
     train_seconds = [r["seconds"]["round"] - r["seconds"].get("evaluate", 0.0) for r in rounds]
+    privacy = ({k: rounds[-1][k] for k in ("dp_epsilon", "dp_delta", "dp_noise_multiplier", "dp_clip_norm",
+                                           "dp_releases")} if "dp_epsilon" in rounds[-1] else None)
     return {
         "cell": cell.name, "task": cell.task, "algorithm": cell.algorithm, "seed": cell.seed, "variant": cell.variant,
         "final_round": last["round"],
@@ -469,6 +472,7 @@ def cell_summary(cell: Cell) -> dict[str, Any] | None:
         "phase_seconds": {k: sum(r["seconds"].get(k, 0.0) for r in rounds)
                           for k in ("generate_initial", "generate_revisions", "train", "aggregate",
                                     "flower_overhead")},
+        "privacy": privacy,
     }
 
 
@@ -476,6 +480,12 @@ def _fmt_pct(m: float | None, s: float | None = None) -> str:
     if m is None:
         return "–"
     return f"{100 * m:.2f}" + (f" ± {100 * s:.2f}" if s is not None else "")
+
+
+def _md_table(title: str, intro: str, header: list[str], rows: list[list[str]]) -> list[str]:
+    """A markdown section: ``## title``, an introductory paragraph, a table with ``header`` and ``rows``."""
+    return [f"## {title}", "", intro, "", "| " + " | ".join(header) + " |", "|" + "---|" * len(header),
+            *("| " + " | ".join(row) + " |" for row in rows), ""]
 
 
 def summarise(grid: Grid, output: Path, command: str = "", started: str = "") -> Path:
@@ -532,15 +542,22 @@ def summarise(grid: Grid, output: Path, command: str = "", started: str = "") ->
             lines.append("")
     answer_rows = [r for r in rows if any(v is not None for pair in r["answers"].values() for v in pair)]
     if answer_rows:
-        lines += ["## Parsed and cut-off answers (generation)", "",
-                  "Share of the evaluated greedy answers (%) from which the task's rule reads an answer (*parsed*) and "
-                  "that the token budget stopped before EOS (*cut off*), round 0 → last evaluated round.", "",
-                  "| Cell | parsed | cut off |", "|---|---|---|"]
-        for r in answer_rows:
-            cells_txt = [" → ".join("–" if v is None else f"{100 * v:.1f}" for v in r["answers"][k])
-                         for k in ("parsed_gen", "cutoff_gen")]
-            lines.append(f"| {r['cell']} | " + " | ".join(cells_txt) + " |")
-        lines.append("")
+        lines += _md_table(
+            "Parsed and cut-off answers (generation)",
+            "Share of the evaluated greedy answers (%) from which the task's rule reads an answer (*parsed*) and that "
+            "the token budget stopped before EOS (*cut off*), round 0 → last evaluated round.",
+            ["Cell", "parsed", "cut off"],
+            [[r["cell"], *(" → ".join("–" if v is None else f"{100 * v:.1f}" for v in r["answers"][k])
+                           for k in ("parsed_gen", "cutoff_gen"))] for r in answer_rows])
+    private_rows = [r for r in rows if r["privacy"]]
+    if private_rows:
+        lines += _md_table(
+            "Privacy spent",
+            "Client-level (ε, δ) after the last round (Flower's RDP accountant, no amplification by sampling; "
+            "`fedspear.fl.privacy`); ∞ = clipping without noise.",
+            ["Cell", "z", "C", "noised rounds", "ε", "δ"],
+            [[r["cell"], f"{p['dp_noise_multiplier']:g}", f"{p['dp_clip_norm']:g}", str(p["dp_releases"]),
+              epsilon_text(p), f"{p['dp_delta']:g}"] for r in private_rows for p in [r["privacy"]]])
     if "spear" in grid.algorithms and len(grid.algorithms) > 1:
         lines += ["## SPEAR minus each baseline", "",
                   "Difference in final accuracy (percentage points), paired by task and seed (same partition, "

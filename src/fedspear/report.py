@@ -135,18 +135,19 @@ def _dp_line(cfg: RunConfig, rounds: Sequence[dict]) -> str:
     if cfg.dp == "off":
         return ""
     last = next((r for r in reversed(rounds) if "dp_releases" in r), None)
-    spent = "–" if last is None else _epsilon(last)
+    spent = "–" if last is None else epsilon_text(last)
     seeded = (f" **dp_noise_seed = {cfg.dp_noise_seed}: the noise is reproducible from this config, so this run has "
               f"no privacy guarantee (tests only).**" if cfg.dp_noise_seed is not None else "")
     return (f"- differential privacy: **{cfg.dp}-side clipping**, C = {cfg.dp_clip_norm:g}, z = "
             f"{cfg.dp_noise_multiplier:g}, σ = z·C/{cfg.clients_per_round} = "
             f"{cfg.dp_noise_multiplier * cfg.dp_clip_norm / cfg.clients_per_round:.4g}; **ε = {spent} at δ = "
             f"{cfg.dp_delta:g}** after {last['dp_releases'] if last else 0} noised rounds (RDP, no amplification; "
-            f"client counters in `metrics.jsonl` are not covered; `fedspear.fl.privacy`).{seeded}")
+            f"client counters and update norms in `metrics.jsonl` are not covered; `fedspear.fl.privacy`).{seeded}")
 
 
-def _epsilon(record: dict) -> str:
-    """A round's ε: ∞ when no noise was added (z = 0; stored as null), – for records without DP."""
+def epsilon_text(record: dict) -> str:
+    """A round's ε as shown in reports and on the CLI: 3 decimals, ∞ when no noise was added (z = 0; stored as
+    null), – for records without DP (no ``dp_releases``)."""
     if "dp_releases" not in record:
         return "–"
     return "∞" if record.get("dp_epsilon") is None else f"{record['dp_epsilon']:.3f}"
@@ -211,7 +212,7 @@ def write_report(path: str | Path, records: Sequence[dict], cfg: RunConfig, dtyp
             f"{r['losses']} | {r['revisions_successful']} / {r['revisions_attempted']} | {r['tokens_generated']} | "
             f"{_fmt(r['loss_win'] if r.get('loss_win') is not None else r.get('loss'))} / {_fmt(r.get('loss_lose'))} | {_fmt(r.get('margin'))} | "
             f"{s['generate_initial'] + s['generate_revisions']:.1f} | {s['train']:.1f} | {s['evaluate']:.1f} | "
-            f"{s['flower_overhead']:.1f} | {s['round']:.1f} |" + (f" {_epsilon(r)} |" if dp else "")
+            f"{s['flower_overhead']:.1f} | {s['round']:.1f} |" + (f" {epsilon_text(r)} |" if dp else "")
         )
     lines += ["", "![interaction](plots/interaction.png)", "", "![wall-clock](plots/wall_clock.png)", ""]
     report = path / "report.md"

@@ -17,13 +17,16 @@ arXiv:1710.06963, the DP-FedAvg that ``flwr/serverapp/strategy/dp_fixed_clipping
 
 The guarantee is client-level (ε, δ)-DP of the sequence of global adapters, with add-or-remove-one-client
 neighbours. It does **not** cover what fedspear writes beside the adapter: each client's counters (wins, losses,
-prompts, tokens, loss values) travel in the clear and are logged in ``metrics.jsonl``, nor which clients
-replied or were rejected. Server-side evaluation only post-processes the released adapters.
+prompts, tokens, loss values) travel in the clear and are logged in ``metrics.jsonl``, as is the norm of each
+client's update as aggregated (``update_norm``, ≤ C: it shows whether clipping bit), nor which clients replied or
+were rejected. Server-side evaluation only post-processes the released adapters.
 
 **Decision (weights under DP).** Equal weights with a fixed denominator m = ``clients_per_round``: each accepted
-client whose reply weight (win count for SPEAR and Feedback SFT) is > 0 adds clip(Δ_k)/m. One client then moves the
-average by at most C/m whatever the others send, which is what σ = z·C/m is calibrated for and the only mode
-Flower's own accounting accepts (it requires equal weights and ``FedAvg.aggregate_train``). The paper's
+client whose reply weight (win count for SPEAR and Feedback SFT) is > 0 adds clip(Δ_k)/m, held to norm C once more
+in float64 by ``fixed_denominator_mean`` (whatever rounding or the server's slack let through). One client then moves
+the average by at most C/m whatever the others send, which is what σ = z·C/m is calibrated for: the estimator
+Flower's own accounting assumes (equal weights, ``FedAvg.aggregate_train``), except that Flower's accounted mode
+refuses rounds with fewer than m replies or a zero weight, which fedspear allows (see the next decisions). The paper's
 win-weighted mean Σ w_k θ_k / Σ w_k is not used under DP: a client holding most of the wins moves it by up to ~2C,
 so with Flower's σ the effective noise multiplier would be up to ~2m times smaller than z, and the win counts that
 set the weights are themselves data the mechanism does not protect. A client with no win still contributes nothing
@@ -47,13 +50,15 @@ DP) they would be noised after a nonlinear step whose moments carry un-noised av
 guarantee. Robust rules (median, trimmed mean) are refused: σ = z·C/m is not calibrated for them (``config.py``).
 
 **Workaround (zero updates).** Flower 1.41's flat clipping divides C by the update's norm
-(``clip_inputs_inplace``, ``flwr/supercore/differential_privacy.py:55``; open upstream fix flwrlabs/flower#7631), so
+(``clip_inputs_inplace``, ``flwr/supercore/differential_privacy.py:56``; open upstream fix flwrlabs/flower#7631), so
 an update that is exactly zero — a client with nothing to train on returns θ^(t) unchanged — raises
 ZeroDivisionError: in the client mod (the client becomes an error reply) and in the server-side wrapper (the
 ServerApp crashes). A zero update is within any bound and adds nothing to the fixed-denominator sum, so fedspear
 lets it bypass the clipping: ``dp_clipping_mod`` returns such a reply unclipped, and ``PrivateRounds`` hands such
 replies to the inner strategy directly (``WinWeightedFedAvg.extra_replies``) instead of through the server-side
-wrapper's clipping loop. The round is released (noised and composed) exactly as if Flower had clipped them.
+wrapper's clipping loop. The round is released (noised and composed) exactly as if Flower had clipped them. With
+fewer replies than m the server-side wrapper then logs Flower's warning that the number of replies differs from
+``num_sampled_clients`` (``dp_fixed_clipping.py``); the fixed denominator keeps the bound, so it is harmless here.
 
 **Decision (client-side clipping, checked by the server).** Under ``dp = "client"`` the server rejects a reply whose
 update norm exceeds C·(1 + ``NORM_SLACK``): a node running a ClientApp without the mod would otherwise void the
@@ -139,8 +144,12 @@ def _is_zero_update(msg: Message, reply: Message) -> bool:
     """Whether the reply's single ArrayRecord equals the sent one value for value (Δ = 0 exactly)."""
     if len(msg.content.array_records) != 1 or len(reply.content.array_records) != 1:
         return False
-    sent = next(iter(msg.content.array_records.values()))
-    back = next(iter(reply.content.array_records.values()))
+    return _same_values(next(iter(msg.content.array_records.values())),
+                        next(iter(reply.content.array_records.values())))
+
+
+def _same_values(sent: ArrayRecord, back: ArrayRecord) -> bool:
+    """Whether two ArrayRecords hold the same names and, value for value, the same arrays."""
     return list(sent.keys()) == list(back.keys()) and all(
         np.array_equal(sent[k].numpy(), back[k].numpy()) for k in sent.keys())
 
@@ -238,12 +247,17 @@ class PrivateRounds:
     """The DP side of ``run_server``: Flower's wrapper around ``strategy``, the ledger, the noise RNG.
 
     Args:
-        strategy: built with ``dp_denominator = clients_per_round`` and ``max_update_norm = reply_norm_bound(cfg)``.
+        strategy: built with ``dp_denominator = clients_per_round``, ``dp_clip_norm = dp_clip_norm`` and
+            ``max_update_norm = reply_norm_bound(cfg)``.
+
+    Raises:
+        ValueError: the strategy's denominator or clipping norm differ from ``cfg``'s.
     """
 
     def __init__(self, strategy: WinWeightedFedAvg, cfg: RunConfig):
-        if strategy.dp_denominator != cfg.clients_per_round:
-            raise ValueError("a DP round needs the strategy's fixed denominator = clients_per_round")
+        if strategy.dp_denominator != cfg.clients_per_round or strategy.dp_clip_norm != cfg.dp_clip_norm:
+            raise ValueError("a DP round needs the strategy's fixed denominator = clients_per_round and its "
+                             "clipping norm = dp_clip_norm")
         wrapper = (DifferentialPrivacyClientSideFixedClipping if cfg.dp == "client"
                    else DifferentialPrivacyServerSideFixedClipping)
         # no accountant= : Flower's built-in accounting refuses a strategy that overrides aggregate_train
@@ -278,8 +292,8 @@ class PrivateRounds:
             return None, rejected, dropped
         reference = from_record(strategy.current_arrays, strategy.current_layout)
         if isinstance(self.wrapper, DifferentialPrivacyServerSideFixedClipping):  # zero updates skip the clipping
-            zero = [m for m in accepted if all(np.array_equal(v, reference[k]) for k, v in from_record(
-                next(iter(m.content.array_records.values())), strategy.current_layout).items())]
+            zero = [m for m in accepted
+                    if _same_values(strategy.current_arrays, next(iter(m.content.array_records.values())))]
             accepted = [m for m in accepted if not any(m is z for z in zero)]
             strategy.extra_replies = zero
         try:

@@ -117,10 +117,12 @@ def _mean_of(clients: list[dict], key: str) -> float | None:
     return float(np.mean(values)) if values else None
 
 
-def _round_record(server_round: int, lr: float, replies, aggregated: bool, rejected: dict[int, str]) -> dict:
+def _round_record(server_round: int, lr: float, replies, aggregated: bool, rejected: dict[int, str],
+                  update_norms: dict[int, float] | None = None) -> dict:
     """Totals, means and per-client values of one round's accepted replies (the counters of SPEC §6).
 
-    Excluded clients (error replies, failed checks) appear in ``clients`` with ``node_id`` and ``error``.
+    Excluded clients (error replies, failed checks) appear in ``clients`` with ``node_id`` and ``error``; accepted
+    ones carry ``update_norm`` (‖θ_k − θ^(t)‖₂ as aggregated, from ``update_norms``) when it is known.
     """
     clients = []
     for msg in replies:
@@ -133,6 +135,8 @@ def _round_record(server_round: int, lr: float, replies, aggregated: bool, rejec
             continue
         metrics = dict(next(iter(msg.content.metric_records.values())))
         metrics["node_id"] = node
+        if update_norms and node in update_norms:
+            metrics["update_norm"] = update_norms[node]
         clients.append(metrics)
     ok = [c for c in clients if "error" not in c]
     total = {k: sum(c.get(k, 0) for c in ok) for k in COUNTERS}
@@ -259,6 +263,32 @@ def _resume_ledger(private: PrivateRounds, run: RunDir, last: int, last_record: 
              private.ledger.epsilon, private.ledger.delta)
 
 
+def _count_unrecorded_release(private: PrivateRounds, run: RunDir, last: int) -> None:
+    """Keep counting a noised adapter that was saved but never recorded (a kill between ``save_adapter`` and
+    ``append``): it has left the process, so its release stays in the ledger, and the redone round adds another.
+
+    Its saved ledger state (taken after that release) replaces the resumed one when it holds exactly one release
+    more; ε in later records is then that of ``last + 2`` releases. Anything else is refused.
+
+    Raises:
+        RunDirError: the orphan adapter has no ledger state, or one that is not one release ahead.
+    """
+    if not (run.adapter_dir(last + 1) / "adapter_model.safetensors").exists():
+        return
+    state = run.load_json_state(last + 1, STATE_FILE)
+    where = run.adapter_dir(last + 1) / STATE_FILE
+    if state is None or state.get("releases") != private.ledger.releases + 1:
+        raise RunDirError(f"{where}: round {last + 1}'s noised adapter was saved without a matching privacy "
+                          f"accountant state; cannot account for it")
+    try:
+        private.ledger.load_state_dict(state)
+    except (ValueError, KeyError, TypeError) as err:
+        raise RunDirError(f"{where}: {err}; cannot resume") from None
+    log.warning("round %d's noised adapter was saved but not recorded (the run stopped in between): its release "
+                "stays counted; the redone round is a further one (ε = %.4g so far)", last + 1,
+                private.ledger.epsilon)
+
+
 def run_server(grid: Grid, cfg: RunConfig, on_round: Callable[[dict], None] | None = None) -> list[dict]:
     """Run (or resume) a SPEAR federation to ``cfg.rounds`` rounds; returns every round record.
 
@@ -280,6 +310,7 @@ def run_server(grid: Grid, cfg: RunConfig, on_round: Callable[[dict], None] | No
         server_opt=cfg.strategy if cfg.strategy in ("fedadam", "fedyogi") else None, server_lr=cfg.server_lr,
         beta1=cfg.server_beta1, beta2=cfg.server_beta2, tau=cfg.server_tau,
         dp_denominator=cfg.clients_per_round if cfg.dp != "off" else None,
+        dp_clip_norm=cfg.dp_clip_norm if cfg.dp != "off" else None,
     )
     # before the model loads: a missing privacy accountant (flwr[dp]) stops the run here, not after round 0
     private = PrivateRounds(strategy, cfg) if cfg.dp != "off" else None
@@ -309,6 +340,8 @@ def run_server(grid: Grid, cfg: RunConfig, on_round: Callable[[dict], None] | No
         strategy.opt_state = arrays_to_state(saved_state)
     if private is not None and last:
         _resume_ledger(private, run, last, records[-1])
+    if private is not None:
+        _count_unrecorded_release(private, run, last)
     strategy.partition_of = discover_partitions(grid, cfg.num_clients)
     payload = json.dumps(cfg.to_dict())
     streak = 0  # consecutive empty rounds before this one (tolerated ones are recorded with empty: true)
@@ -340,7 +373,7 @@ def run_server(grid: Grid, cfg: RunConfig, on_round: Callable[[dict], None] | No
         if new_arrays is not None:
             arrays = new_arrays
         t_agg = time.perf_counter()
-        record = _round_record(server_round, lr, replies, aggregated, rejected)
+        record = _round_record(server_round, lr, replies, aggregated, rejected, strategy.update_norms)
         if private is not None:
             record.update(private.ledger.record())
         record["clients"] += [{"node_id": n, "error": f"no reply within {cfg.round_timeout:g} s"} for n in sorted(silent)]

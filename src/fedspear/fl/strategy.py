@@ -42,7 +42,7 @@ from flwr.server.strategy.aggregate import aggregate_median, aggregate_trimmed_a
 
 from fedspear.aggregation import fixed_denominator_mean, win_weighted_average
 from fedspear.server_opt import ServerOptState, fedadam_step, fedyogi_step
-from fedspear.validation import check_reply
+from fedspear.validation import check_reply, update_norm
 
 RULES = ("fedavg", "median", "trimmed_mean")
 
@@ -141,12 +141,14 @@ class WinWeightedFedAvg(FedAvg):
         max_update_norm: reject a reply whose ‖θ_k − θ^(t)‖₂ exceeds this (None: no bound).
         dp_denominator: under differential privacy, ``m`` of the fixed-denominator mean (``clients_per_round``);
             None: the win-weighted mean of the paper. See the module docstring and ``fedspear.fl.privacy``.
+        dp_clip_norm: under differential privacy, C: the fixed-denominator mean holds every update to L2 norm ≤ C
+            itself (``fixed_denominator_mean``'s ``clip_norm``), after Flower's clipping.
     """
 
     def __init__(self, clients_per_round: int, min_available_nodes: int, seed: int = 0, wait_seconds: float = 300,
                  max_update_norm: float | None = None, rule: str = "fedavg", trim_beta: float = 0.2,
                  server_opt: str | None = None, server_lr: float = 1e-3, beta1: float = 0.9, beta2: float = 0.99,
-                 tau: float = 0.005, dp_denominator: int | None = None):
+                 tau: float = 0.005, dp_denominator: int | None = None, dp_clip_norm: float | None = None):
         if rule not in RULES:
             raise ValueError(f"aggregation rule must be one of {', '.join(RULES)} (got {rule!r})")
         if dp_denominator is not None and rule != "fedavg":
@@ -166,6 +168,7 @@ class WinWeightedFedAvg(FedAvg):
         self.rule = rule
         self.trim_beta = trim_beta
         self.dp_denominator = dp_denominator
+        self.dp_clip_norm = dp_clip_norm
         self.partition_of: dict[int, int] = {}  # node id → partition id (see ``discover_partitions``)
         self.current_arrays: ArrayRecord | None = None
         self.current_layout: str | None = None  # layout of ``current_arrays`` and of every reply (``layout_of``)
@@ -175,6 +178,9 @@ class WinWeightedFedAvg(FedAvg):
         self.last_replies: list[Message] = []
         self.rejected: dict[int, str] = {}  # node id → reason, for the last round
         self.dropped: set[int] = set()  # nodes of ``rejected`` that dropped out rather than raised (``CLIENT_ERRORS``)
+        # node id → ‖θ_k − θ^(t)‖₂ of each accepted reply of the last check, as aggregated (clipped under DP);
+        # logged per client so that a DP clipping norm can be chosen from a run without DP
+        self.update_norms: dict[int, float] = {}
         if server_opt not in (None, "fedadam", "fedyogi"):
             raise ValueError(f"server optimiser must be fedadam or fedyogi (got {server_opt!r})")
         self.server_opt = server_opt
@@ -217,6 +223,7 @@ class WinWeightedFedAvg(FedAvg):
         (``check_reply``), rejected = {node id: reason}, dropped = nodes whose error means they dropped out."""
         reference = from_record(self.current_arrays, self.current_layout) if self.current_arrays is not None else None
         accepted, rejected, dropped = [], {}, set()
+        self.update_norms = {}
         for msg in replies:
             node = msg.metadata.src_node_id
             if msg.has_error():
@@ -238,6 +245,8 @@ class WinWeightedFedAvg(FedAvg):
                     rejected[node] = reason
                 else:
                     accepted.append((msg, arrays, metrics))
+                    if reference is not None:
+                        self.update_norms[node] = update_norm(reference, arrays)
         return accepted, rejected, dropped
 
     def screen(self, server_round: int, replies: Iterable[Message]) -> list[Message]:
@@ -273,7 +282,8 @@ class WinWeightedFedAvg(FedAvg):
             else clients[0]
         if self.dp_denominator is not None:  # DP: no zero-win guard, server optimiser after the noise (caller)
             self.last_aggregated = True
-            return to_record(fixed_denominator_mean(reference, clients, wins, self.dp_denominator)), metrics
+            return to_record(fixed_denominator_mean(reference, clients, wins, self.dp_denominator,
+                                                                 self.dp_clip_norm)), metrics
         if sum(wins) == 0:
             log.warning("round %d: no accepted client has a win; global adapter kept unchanged", server_round)
             return to_record(reference), metrics

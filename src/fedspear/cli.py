@@ -19,7 +19,6 @@ from typing import Optional
 import typer
 
 from .config import ConfigError, RunConfig, load_config
-from .compare import AXES
 from .report import epsilon_text
 
 app = typer.Typer(add_completion=False, pretty_exceptions_show_locals=False, no_args_is_help=True, help="Online federated fine-tuning from feedback (SPEAR).")
@@ -210,7 +209,8 @@ def compare(
     tasks: Optional[str] = typer.Option(None, help="comma-separated tasks (overrides the preset's)"),
     algorithms: Optional[str] = typer.Option(None, help="comma-separated algorithms (overrides the preset's)"),
     seeds: Optional[str] = typer.Option(None, help="comma-separated seeds (overrides the preset's)"),
-    vary: list[str] = typer.Option([], "--vary", help=f"an axis: --vary mu=0.1,0.3 ({', '.join(AXES)})"),
+    vary: list[str] = typer.Option([], "--vary", help="an axis: --vary mu=0.1,0.3 (a key that cannot be an axis "
+                                   "is refused with the list of those that can: fedspear.compare.AXES)"),
     set_: list[str] = typer.Option([], "--set", help="a setting every cell shares: --set rounds=5"),
     output_dir: Optional[Path] = typer.Option(None, "--output-dir", "-o", help="where cells and the summary go "
                                               "(default runs/compare-<preset>)"),

@@ -172,7 +172,7 @@ def write_report(path: str | Path, records: Sequence[dict], cfg: RunConfig, dtyp
         f" by fedspear on Python {sys.version.split()[0]}.",
         "",
         f"- algorithm **{cfg.algorithm}**, strategy {cfg.strategy}, aggregation weight: "
-        + ("equal, fixed denominator clients_per_round (differential privacy)" if cfg.dp != "off" else
+        + ("equal, fixed denominator clients_per_round (differential privacy)" if dp else
            f"{'wins' if cfg.algorithm in ('spear', 'feedback_sft') else 'prompts'}"),
         _dp_line(cfg, rounds),
         f"- rounds {cfg.rounds}, clients {cfg.num_clients} ({cfg.clients_per_round} per round), "

@@ -290,7 +290,7 @@ class PrivateRounds:
         if not accepted:
             strategy.last_aggregated = False
             return None, rejected, dropped
-        reference = from_record(strategy.current_arrays, strategy.current_layout)
+        reference = strategy.reference()
         if isinstance(self.wrapper, DifferentialPrivacyServerSideFixedClipping):  # zero updates skip the clipping
             zero = [m for m in accepted
                     if _same_values(strategy.current_arrays, next(iter(m.content.array_records.values())))]

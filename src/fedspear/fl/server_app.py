@@ -241,6 +241,14 @@ def in_model_order(arrays: dict[str, np.ndarray], model_arrays: dict[str, np.nda
     return {name: arrays[name] for name in model_arrays}
 
 
+def _load_ledger_state(private: PrivateRounds, state: dict, where) -> None:
+    """``private.ledger.load_state_dict(state)``; a state of other settings raises RunDirError naming ``where``."""
+    try:
+        private.ledger.load_state_dict(state)
+    except (ValueError, KeyError, TypeError) as err:
+        raise RunDirError(f"{where}: {err}; cannot resume") from None
+
+
 def _resume_ledger(private: PrivateRounds, run: RunDir, last: int, last_record: dict) -> None:
     """Continue the privacy ledger saved with round ``last``'s adapter (the ε of a resumed run continues).
 
@@ -252,10 +260,7 @@ def _resume_ledger(private: PrivateRounds, run: RunDir, last: int, last_record: 
     where = run.adapter_dir(last) / STATE_FILE
     if state is None:
         raise RunDirError(f"{where}: missing; a DP run cannot resume without its privacy accountant state")
-    try:
-        private.ledger.load_state_dict(state)
-    except (ValueError, KeyError, TypeError) as err:
-        raise RunDirError(f"{where}: {err}; cannot resume") from None
+    _load_ledger_state(private, state, where)
     if last_record.get("dp_releases", 0) != private.ledger.releases:
         raise RunDirError(f"{where}: {private.ledger.releases} noised releases, but metrics.jsonl's round {last} "
                           f"says {last_record.get('dp_releases', 0)}; cannot resume")
@@ -280,10 +285,7 @@ def _count_unrecorded_release(private: PrivateRounds, run: RunDir, last: int) ->
     if state is None or state.get("releases") != private.ledger.releases + 1:
         raise RunDirError(f"{where}: round {last + 1}'s noised adapter was saved without a matching privacy "
                           f"accountant state; cannot account for it")
-    try:
-        private.ledger.load_state_dict(state)
-    except (ValueError, KeyError, TypeError) as err:
-        raise RunDirError(f"{where}: {err}; cannot resume") from None
+    _load_ledger_state(private, state, where)
     log.warning("round %d's noised adapter was saved but not recorded (the run stopped in between): its release "
                 "stays counted; the redone round is a further one (ε = %.4g so far)", last + 1,
                 private.ledger.epsilon)
@@ -338,9 +340,9 @@ def run_server(grid: Grid, cfg: RunConfig, on_round: Callable[[dict], None] | No
     saved_state = run.load_server_state(last) if last else None
     if saved_state:
         strategy.opt_state = arrays_to_state(saved_state)
-    if private is not None and last:
-        _resume_ledger(private, run, last, records[-1])
     if private is not None:
+        if last:
+            _resume_ledger(private, run, last, records[-1])
         _count_unrecorded_release(private, run, last)
     strategy.partition_of = discover_partitions(grid, cfg.num_clients)
     payload = json.dumps(cfg.to_dict())

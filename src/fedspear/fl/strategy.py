@@ -218,10 +218,14 @@ class WinWeightedFedAvg(FedAvg):
         record = RecordDict({self.arrayrecord_key: arrays, self.configrecord_key: config})
         return self._construct_messages(record, self.sample(grid, server_round), MessageType.TRAIN)
 
-    def _check_replies(self, replies: list[Message]):
+    def reference(self) -> dict[str, np.ndarray] | None:
+        """θ^(t) as sent by ``configure_train``, decoded (None before any round)."""
+        return from_record(self.current_arrays, self.current_layout) if self.current_arrays is not None else None
+
+    def _check_replies(self, replies: list[Message], reference: dict[str, np.ndarray] | None):
         """``(accepted, rejected, dropped)``: accepted = [(message, arrays, metrics)] that pass every check
-        (``check_reply``), rejected = {node id: reason}, dropped = nodes whose error means they dropped out."""
-        reference = from_record(self.current_arrays, self.current_layout) if self.current_arrays is not None else None
+        (``check_reply``) against ``reference`` = θ^(t), rejected = {node id: reason}, dropped = nodes whose error
+        means they dropped out."""
         accepted, rejected, dropped = [], {}, set()
         self.update_norms = {}
         for msg in replies:
@@ -255,7 +259,7 @@ class WinWeightedFedAvg(FedAvg):
         Differential privacy calls this before Flower's wrapper, which must see error-free, well-formed replies
         only (``fedspear.fl.privacy``); ``aggregate_train`` runs the same checks itself.
         """
-        accepted, self.rejected, self.dropped = self._check_replies(list(replies))
+        accepted, self.rejected, self.dropped = self._check_replies(list(replies), self.reference())
         for node, reason in self.rejected.items():
             log.warning("round %d: reply of node %d excluded: %s", server_round, node, reason)
         return [msg for msg, _, _ in accepted]
@@ -270,7 +274,8 @@ class WinWeightedFedAvg(FedAvg):
         """
         self.last_replies = list(replies) + self.extra_replies
         self.last_aggregated = False
-        accepted, self.rejected, self.dropped = self._check_replies(self.last_replies)
+        reference = self.reference()
+        accepted, self.rejected, self.dropped = self._check_replies(self.last_replies, reference)
         for node, reason in self.rejected.items():
             log.warning("round %d: reply of node %d excluded: %s", server_round, node, reason)
         if not accepted:
@@ -278,8 +283,8 @@ class WinWeightedFedAvg(FedAvg):
         metrics = self.train_metrics_aggr_fn([msg.content for msg, _, _ in accepted], self.weighted_by_key)
         clients = [a for _, a, _ in accepted]
         wins = [int(m[WEIGHT_KEY]) for _, _, m in accepted]
-        reference = from_record(self.current_arrays, self.current_layout) if self.current_arrays is not None \
-            else clients[0]
+        if reference is None:
+            reference = clients[0]
         if self.dp_denominator is not None:  # DP: no zero-win guard, server optimiser after the noise (caller)
             self.last_aggregated = True
             return to_record(fixed_denominator_mean(reference, clients, wins, self.dp_denominator,

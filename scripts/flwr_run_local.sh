@@ -47,7 +47,8 @@ for _ in $(seq 1 60); do
   kill -0 "$SUPERLINK_PID" 2>/dev/null || { echo "SuperLink exited; see $FLWR_HOME/superlink.log" >&2; exit 1; }
   sleep 1
 done
-CONFIG="run-dir=\"$(pwd)/$RUN_DIR\" num-clients=$NODES"
+RUN_ABS=$(cd "$RUN_DIR" && pwd)  # RUN_DIR as given, relative (to the repository) or absolute
+CONFIG="run-dir=\"$RUN_ABS\" num-clients=$NODES"
 [ -n "$EXTRA" ] && CONFIG="$CONFIG $EXTRA"
 "$VENV_BIN/flwr" run . local --stream --run-config "$CONFIG" \
   --federation-config "num-supernodes=$NODES"

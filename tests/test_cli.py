@@ -83,6 +83,10 @@ def test_bench_quick_prints_every_figure(tmp_path):
     assert r["rounds"] == 3 and len(r["seconds_per_client_round_each"]) == 3
     assert r["seconds_per_client_round"] == sorted(r["seconds_per_client_round_each"])[1]  # the median of 3
     assert "| prefill |" in out.with_suffix(".md").read_text()
+    # progress on stderr, phase by phase, so a long benchmark is never silent
+    for line in ("measuring this machine's bounds", "measuring decode at batch 32", "measuring 3 SPEAR rounds",
+                 "measuring round 0 of 3 done", "measuring round 3 of 3 done"):
+        assert line in proc.stderr, proc.stderr[-2000:]
 
 
 def test_bench_scaling_quick_measures_every_axis(tmp_path):

@@ -18,7 +18,7 @@ pytestmark = pytest.mark.slow
 
 ARGS = ["--rounds", "2", "--clients", "2", "--clients-per-round", "1", "--rollouts-per-round", "4",
         "--eval-size", "8", "--set", "local_steps=2", "--set", "eval_every=1", "--set", "batch_size=2",
-        "--set", "train_size=40"]
+        "--set", "train_size=40", "--set", "tensorboard=true"]
 
 
 def _fedspear(out: Path) -> subprocess.CompletedProcess:
@@ -94,6 +94,23 @@ def test_run_writes_metrics_report_plots_and_resumes(tmp_path):
     assert "## Accuracy" in report and "| round 0 |" in report and "## Per round" in report
     for name in ("accuracy", "wall_clock", "interaction"):
         assert (out / "plots" / f"{name}.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    # the same rounds as TensorBoard scalars (read with TensorBoard's own reader)
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    board = EventAccumulator(str(out / "tensorboard"))
+    board.Reload()
+    assert [(e.step, round(e.value, 6)) for e in board.Scalars("eval/acc_ll")] == [
+        (r["round"], round(r["eval"]["acc_ll"], 6)) for r in records]
+    assert [e.step for e in board.Scalars("interaction/wins")] == [1, 2]
+
+    # `fedspear eval` scores the last adapter with the run's own evaluation code and items: round 2's answers
+    cmd = [str(Path(sys.executable).with_name("fedspear")), "eval", str(out), "-o", str(tmp_path / "eval.json")]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=dict(os.environ))
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    again = json.loads((tmp_path / "eval.json").read_text())
+    assert again["round"] == 2 and again["metrics"]["n"] == 8
+    for key in ("correct_gen", "correct_ll", "acc_gen", "acc_ll", "parsed_gen", "cutoff_gen"):
+        assert again["metrics"][key] == records[2]["eval"][key], key
 
     # a crash after round 1: the round-2 line never got written → the next invocation redoes round 2 only
     lines = (out / "metrics.jsonl").read_text().splitlines()

@@ -27,7 +27,7 @@ import platform
 import tempfile
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import numpy as np
 import torch
@@ -174,11 +174,13 @@ def train_tokens_per_s(model, dtype_used: str, batch: int, length: int, seconds:
 
 
 def run_bench(model: str = "smollm2-135m", dtype: str = "auto", quick: bool = False, round_: bool = True,
-              output_dir: str | None = None) -> dict[str, Any]:
+              output_dir: str | None = None, progress: Callable[[str], None] | None = None) -> dict[str, Any]:
     """Measure everything (see the module docstring) → a JSON-able dict.
 
-    ``quick`` shrinks every size (for tests); ``round_=False`` skips the SPEAR round.
+    ``quick`` shrinks every size (for tests); ``round_=False`` skips the SPEAR round. ``progress(text)`` is called
+    before each measurement and after each SPEAR round.
     """
+    say = progress or (lambda text: None)
     from .evaluation import evaluate
     from .model import LoraSettings, add_lora, load_base
     from .tasks import arc_challenge
@@ -189,6 +191,7 @@ def run_bench(model: str = "smollm2-135m", dtype: str = "auto", quick: bool = Fa
         "machine": machine(),
         "model": model,
     }
+    say("this machine's bounds (matmul bf16 / fp32, memory bandwidth)")
     bounds = {
         "matmul_flops_bf16": matmul_flops(torch.bfloat16, 256 if quick else 1024, s),
         "matmul_flops_fp32": matmul_flops(torch.float32, 256 if quick else 1024, s),
@@ -208,16 +211,19 @@ def run_bench(model: str = "smollm2-135m", dtype: str = "auto", quick: bool = Fa
     out["flop_counts"] = counts
     out["weight_bytes_per_decode_step"] = weight_bytes
     batch, length, kept = (2 if quick else 8), (32 if quick else 220), 16
+    say(f"prefill and training throughput ({model}, {dtype_used})")
     prefill = prefill_tokens_per_s(peft, dtype_used, batch, length, s)
     train = train_tokens_per_s(peft, dtype_used, batch, length, s, kept)
     prefill_flop_s = prefill * prefill_flops(counts, batch, length) / (batch * length)
     train_flop_s = train * train_flops(counts, batch, length, kept) / (batch * length)
     decode = {}
     for b in (1, 8, 32):
+        say(f"decode at batch {b}")
         tps = decode_tokens_per_s(peft, tokenizer, dtype_used, b, 16 if quick else 200, 4 if quick else 32)
         bound = b * bounds["memory_bandwidth_bytes_per_s"] / weight_bytes
         decode[f"batch_{b}"] = {"tokens_per_s": tps, "bound_tokens_per_s": bound, "utilisation": tps / bound}
     items = arc_challenge.load("test")[: 8 if quick else 64]
+    say(f"evaluation of {len(items)} ARC-Challenge items")
     t0 = time.perf_counter()
     evaluate(peft, tokenizer, items, arc_challenge, dtype_used=dtype_used)
     eval_items = len(items) / (time.perf_counter() - t0)
@@ -231,11 +237,12 @@ def run_bench(model: str = "smollm2-135m", dtype: str = "auto", quick: bool = Fa
     }
     del peft, base
     if round_:
-        out["round"] = spear_round(model, dtype, quick, output_dir)
+        out["round"] = spear_round(model, dtype, quick, output_dir, progress=say)
     return out
 
 
-def spear_round(model: str, dtype: str, quick: bool, output_dir: str | None, rounds: int = 3) -> dict[str, Any]:
+def spear_round(model: str, dtype: str, quick: bool, output_dir: str | None, rounds: int = 3,
+                progress: Callable[[str], None] | None = None) -> dict[str, Any]:
     """SPEAR rounds on the reference configuration through the simulation engine; seconds per phase.
 
     Runs ``rounds`` rounds (evaluation only at round 0 and after the last, and subtracted) and reports the round with
@@ -255,7 +262,10 @@ def spear_round(model: str, dtype: str, quick: bool, output_dir: str | None, rou
         eval_every=rounds, eval_generation=True, output_dir=str(Path(out_dir) / "run"),
     )
     t0 = time.perf_counter()
-    simulate(cfg)
+    if progress:
+        progress(f"{rounds} SPEAR rounds on the reference configuration (simulation, round 0 = evaluation)")
+    simulate(cfg, on_round=(lambda r: progress(f"round {r['round']} of {rounds} done ({r['wall_clock']:.0f} s so far)"))
+             if progress else None)
     wall = time.perf_counter() - t0
     records = RunDir(cfg.output_dir).records()[1:]
 

@@ -19,7 +19,7 @@ from typing import Optional
 import typer
 
 from .config import ConfigError, RunConfig, load_config
-from .report import epsilon_text
+from .report import accuracy_text, round_text
 
 app = typer.Typer(add_completion=False, pretty_exceptions_show_locals=False, no_args_is_help=True, help="Online federated fine-tuning from feedback (SPEAR).")
 
@@ -85,6 +85,11 @@ def preflight(cfg: RunConfig) -> None:
         if importlib.util.find_spec("dp_accounting") is None:
             raise ConfigError(f'dp = "{cfg.dp}" reports ε with Flower\'s privacy accountant, which needs '
                               f'dp-accounting: pip install "flwr[dp]"')
+    if cfg.tensorboard:
+        import importlib.util
+
+        if importlib.util.find_spec("tensorboard") is None:
+            raise ConfigError("tensorboard = true needs TensorBoard: pip install 'fedspear[tensorboard]'")
     run = RunDir(cfg.output_dir)
     run.check_or_write_config(cfg.resolved())
     run.verify()
@@ -135,13 +140,62 @@ def run(
     _run(cfg, verbose)
 
 
+class PhaseWatcher:
+    """Draws a run's progress files (``<run dir>/progress/*.json``, ``fedspear.progress``) as rows of a rich
+    ``Progress``, one per client or server that is inside a phase, every half second, while the run goes on.
+    Nothing is drawn when the console is not a terminal (CI logs stay as they were)."""
+
+    def __init__(self, bars, folder: Path):
+        self.bars, self.folder = bars, Path(folder)
+        self.rows: dict[str, object] = {}
+        self._stop = None
+        self._thread = None
+
+    def __enter__(self) -> "PhaseWatcher":
+        import threading
+
+        if self.bars.console.is_terminal:
+            self._stop = threading.Event()
+            self._thread = threading.Thread(target=self._poll, name="fedspear-progress", daemon=True)
+            self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self._thread is not None:
+            self._stop.set()
+            self._thread.join()
+        for row in self.rows.values():
+            self.bars.remove_task(row)
+        self.rows.clear()
+
+    def _poll(self) -> None:
+        while not self._stop.wait(0.5):
+            self.refresh()
+
+    def refresh(self) -> None:
+        """Read the files once and update the rows (a finished client's row goes away)."""
+        from . import progress
+
+        states = {s["who"]: s for s in progress.read(self.folder) if s.get("phase") not in (None, "done")}
+        for who in [w for w in self.rows if w not in states]:
+            self.bars.remove_task(self.rows.pop(who))
+        for who, state in sorted(states.items()):
+            total = state.get("total") or None
+            done = min(state.get("done", 0), total or 0)
+            text = progress.describe(state)
+            if who in self.rows:
+                self.bars.update(self.rows[who], description=text, total=total, completed=done)
+            else:
+                self.rows[who] = self.bars.add_task(text, total=total, completed=done, count="")
+
+
 def _run(cfg: RunConfig, verbose: bool) -> None:
     from rich.console import Console
     from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
     from .fl.partition import PartitionError
     from .model import ModelError, resolve_dtype
-    from .rundir import EmptyRoundError, RunDir, RunDirError, initial_accuracy
+    from .rundir import EmptyRoundError, RunDir, RunDirError
     from .tasks.base import DataError
 
     console = Console(stderr=True)
@@ -158,26 +212,17 @@ def _run(cfg: RunConfig, verbose: bool) -> None:
     if done is not None:
         console.print(f"resuming after round {done}", soft_wrap=True)
     start = time.perf_counter()
-    with Progress(TextColumn("{task.description}"), BarColumn(), TextColumn("{task.completed}/{task.total} rounds"),
+    with Progress(TextColumn("{task.description}"), BarColumn(), TextColumn("{task.fields[count]}"),
                   TimeElapsedColumn(), console=console, transient=False) as progress:
-        bar = progress.add_task("federated rounds", total=cfg.rounds, completed=done or 0)
+        bar = progress.add_task("federated rounds", total=cfg.rounds, completed=done or 0,
+                                count=f"{done or 0}/{cfg.rounds} rounds")
 
         def on_round(record: dict) -> None:
-            ev = record.get("eval") or {}
-            acc = " ".join(f"{k} {ev[k]:.3f}" for k in ("acc_gen", "acc_ll") if k in ev)
-            if record["round"] == 0:
-                progress.console.print(f"round 0 (before training): {acc}  [{ev.get('n', 0)} held-out items]")
-                return
             if record.get("empty"):
                 progress.console.print(f"[yellow]round {record['round']}: no client reply accepted (nodes dropped out; "
                                        f"tolerated by max_empty_rounds = {cfg.max_empty_rounds}); adapter kept[/]")
-            progress.console.print(
-                f"round {record['round']}: wins {record['wins']} losses {record['losses']} revisions "
-                f"{record['revisions_successful']}/{record['revisions_attempted']} initial acc "
-                f"{(initial_accuracy(record) or 0):.2f}  {acc}  ({record['seconds']['round']:.0f} s)"
-                + (f"  ε {epsilon_text(record)} (δ {record['dp_delta']:g})" if "dp_releases" in record else "")
-            )
-            progress.update(bar, completed=record["round"])
+            progress.console.print(round_text(record), markup=False)
+            progress.update(bar, completed=record["round"], count=f"{record['round']}/{cfg.rounds} rounds")
 
         if done is not None and done >= cfg.rounds:
             progress.console.print(f"all {cfg.rounds} rounds already completed in {cfg.output_dir}")
@@ -185,7 +230,8 @@ def _run(cfg: RunConfig, verbose: bool) -> None:
             from .fl.simulation import simulate
 
             try:
-                simulate(cfg, on_round=on_round, verbose=verbose)
+                with PhaseWatcher(progress, Path(cfg.output_dir) / "progress"):
+                    simulate(cfg, on_round=on_round, verbose=verbose)
             except (ConfigError, DataError, ModelError, RunDirError, PartitionError) as err:
                 _fail(str(err))
             except EmptyRoundError as err:
@@ -194,11 +240,8 @@ def _run(cfg: RunConfig, verbose: bool) -> None:
     records = RunDir(cfg.output_dir).records()
     first = next(r for r in records if r["round"] == 0)["eval"]
     last = next(r for r in reversed(records) if r.get("eval"))
-    def show(ev: dict) -> str:
-        return ", ".join(f"{name} {ev[k]:.3f} [{ev[k + '_low']:.3f}, {ev[k + '_high']:.3f}]"
-                         for k, name in (("acc_gen", "generation"), ("acc_ll", "log-likelihood")) if k in ev)
-    print(f"round-0 accuracy: {show(first)} (n={first['n']})")
-    print(f"final accuracy (round {last['round']}): {show(last['eval'])} (n={last['eval']['n']})")
+    print(f"round-0 accuracy: {accuracy_text(first)}")
+    print(f"final accuracy (round {last['round']}): {accuracy_text(last['eval'])}")
     print(f"report: {Path(cfg.output_dir) / 'report.md'}  ({time.perf_counter() - start:.0f} s this invocation)")
 
 
@@ -222,6 +265,7 @@ def compare(
     import datetime
 
     from rich.console import Console
+    from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
     from .compare import PRESETS, Grid, load_grid, run_grid, summarise
 
@@ -260,25 +304,36 @@ def compare(
         console.print(f"[bold]fedspear compare[/] {len(cells)} cells → {output}")
         counter = {"i": 0}
         t0 = time.perf_counter()
+        bars = Progress(TextColumn("{task.description}"), BarColumn(), TextColumn("{task.fields[count]}"),
+                        TimeElapsedColumn(), console=console, transient=True)
+        watching: list[PhaseWatcher] = []  # the running cell's phases, drawn under the log lines
 
         def on_event(kind, cell, seconds):
             if kind == "start":
                 counter["i"] += 1
             if kind == "skip":
                 counter["i"] += 1
-                console.print(f"[{counter['i']}/{len(cells)}] {cell.name}: already finished, skipped")
+                bars.console.print(f"[{counter['i']}/{len(cells)}] {cell.name}: already finished, skipped")
             elif kind == "start":
-                console.print(f"[{counter['i']}/{len(cells)}] {cell.name}: running (log {cell.path / 'log.txt'})")
+                bars.console.print(f"[{counter['i']}/{len(cells)}] {cell.name}: running (log {cell.path / 'log.txt'})")
+                watching.append(PhaseWatcher(bars, cell.path / "progress").__enter__())
             else:
-                console.print(f"[{counter['i']}/{len(cells)}] {cell.name}: done in {seconds:.0f} s "
-                              f"(elapsed {time.perf_counter() - t0:.0f} s)")
+                while watching:
+                    watching.pop().__exit__(None, None, None)
+                bars.console.print(f"[{counter['i']}/{len(cells)}] {cell.name}: done in {seconds:.0f} s "
+                                   f"(elapsed {time.perf_counter() - t0:.0f} s)")
 
         output.mkdir(parents=True, exist_ok=True)
         if not started_file.exists():
             started_file.write_text(datetime.datetime.now().strftime("%Y-%m-%d %H:%M") + "\n")
             (output / "command.txt").write_text(command + "\n")
         try:
-            run_grid(grid, output, on_event=on_event, verbose=verbose)
+            with bars:
+                try:
+                    run_grid(grid, output, on_event=on_event, verbose=verbose)
+                finally:
+                    while watching:
+                        watching.pop().__exit__(None, None, None)
         except ConfigError as err:
             _fail(str(err))
         except RuntimeError as err:
@@ -295,6 +350,183 @@ def compare(
     finished = finished.strftime("%Y-%m-%d %H:%M") if finished else "not run"
     path = summarise(grid, output, command, started=f"{started} → {finished}" if started else finished)
     print(f"comparison: {path}")
+
+
+def _eval_lm_eval(cfg: RunConfig, adapter: Path | None, round_: int | None, target: Path | None,
+                  split: str | None, limit: int | None, output: Path | None) -> None:
+    """``fedspear eval --harness lm-eval``: lm-eval's own task config on the shipped data (``fedspear.harness``)."""
+    import json
+
+    from .evaluation import wilson_interval
+    from .harness import TASKS, HarnessError, evaluate_lm_eval
+    from .model import TINY_MODEL, resolve_model_dir
+
+    if cfg.task not in TASKS:
+        raise HarnessError(f"--harness lm-eval scores {', '.join(TASKS)}; {cfg.task} has no lm-eval task here")
+    if split is not None and split != TASKS[cfg.task][1]:
+        raise ConfigError(f"--harness lm-eval scores {cfg.task}'s {TASKS[cfg.task][1]} split only")
+    if cfg.model == TINY_MODEL:
+        raise ConfigError("--harness lm-eval loads a model folder; tiny-random exists only in memory")
+    result = evaluate_lm_eval(resolve_model_dir(cfg.model), cfg.task, adapter, data_dir=cfg.data_dir, limit=limit,
+                              batch_size=cfg.eval_batch_size)
+    import lm_eval
+
+    split = TASKS[cfg.task][1]
+    if output is None:
+        name = f"lm-eval-{cfg.task}-{split}.json"
+        output = adapter / name if adapter is not None else Path(f"lm-eval-{Path(cfg.model).name}-{cfg.task}-{split}.json")
+    n = result["n"]
+    for key in ("acc", "acc_norm"):
+        result[f"{key}_low"], result[f"{key}_high"] = wilson_interval(round(result[key] * n), n)
+    items = result.pop("items")
+    record = {"command": "fedspear " + " ".join(sys.argv[1:]), "harness": "lm-eval",
+              "lm_eval_version": getattr(lm_eval, "__version__", None), "target": str(target) if target else None,
+              "adapter": str(adapter) if adapter is not None else None, "round": round_, "model": cfg.model,
+              "dtype": "fp32", "task": cfg.task, "split": split, "limit": limit, "metrics": result, "items": items}
+    output.parent.mkdir(parents=True, exist_ok=True)
+    output.write_text(json.dumps(record, indent=1) + "\n", encoding="utf-8")
+    what = str(adapter) if adapter is not None else f"base model {cfg.model}"
+    print(f"{cfg.task} {split} by lm-eval ({what}, fp32): " + ", ".join(
+        f"{key} {result[key]:.3f} [{result[key + '_low']:.3f}, {result[key + '_high']:.3f}]"
+        for key in ("acc", "acc_norm")) + f" (n={n})")
+    print(f"per-item outcomes: {output}")
+
+
+# settings that decide an adapter's shape: an adapter is evaluated with the model and LoRA settings it was trained with
+ADAPTER_KEYS = ("model", "lora_r", "lora_alpha", "last_layers")
+
+
+def eval_target(target: Path | None, round_: int | None, config: Path | None, overrides: dict):
+    """What ``fedspear eval`` scores: ``(cfg, adapter folder or None, round or None)``.
+
+    ``target`` is a run directory (its last saved round, or ``round_``), an adapter folder (``…/adapters/round_NNNN``;
+    settings from its run's ``config.toml`` two levels up when there is one, else from ``config``, the overrides and
+    the adapter's own ``adapter_config.json`` for r and α), or None (the base model, settings from ``config`` and the
+    overrides). A run's own settings (model, LoRA shape, held-out subset, token budget) are used unless overridden.
+
+    Raises:
+        ConfigError / RunDirError: no such directory, no adapter for the round, or an override that would change the
+            adapter's model or shape (names which).
+    """
+    import json
+
+    from .rundir import RunDir, RunDirError
+
+    if target is None:
+        if round_ is not None:
+            raise ConfigError("--round needs a run directory")
+        return load_config(config, **overrides), None, None
+    if not target.exists():
+        raise ConfigError(f"{target}: no such run directory or adapter folder")
+    if (target / "adapter_model.safetensors").is_file():
+        if round_ is not None:
+            raise ConfigError("--round needs a run directory, not an adapter folder")
+        adapter, run = target, RunDir(target.parent.parent)
+        name = target.name
+        round_ = int(name.removeprefix("round_")) if name.startswith("round_") and name[6:].isdigit() else None
+        if not run.config_path.is_file():  # a bare adapter: the user's settings, r and α from the adapter itself
+            try:
+                peft = json.loads((target / "adapter_config.json").read_text(encoding="utf-8"))
+            except (OSError, ValueError):
+                peft = {}
+            shape = {"lora_r": peft.get("r"), "lora_alpha": peft.get("lora_alpha")}
+            return load_config(config, **{**shape, **overrides}), adapter, round_
+    else:
+        run = RunDir(target)
+        if not run.config_path.is_file():
+            raise ConfigError(f"{target}: neither a run directory (config.toml) nor an adapter folder "
+                              "(adapter_model.safetensors)")
+        saved = sorted(int(p.name[6:]) for p in (target / "adapters").glob("round_[0-9]*")
+                       if (p / "adapter_model.safetensors").is_file())
+        if not saved:
+            raise RunDirError(f"{target}: no saved adapter (adapters/round_NNNN) to evaluate")
+        if round_ is None:
+            round_ = saved[-1]
+        elif round_ not in saved:
+            raise RunDirError(f"{target}: no adapter saved for round {round_} (saved: {saved[0]}…{saved[-1]})")
+        adapter = run.adapter_dir(round_)
+    if config is not None:
+        raise ConfigError("--config applies to the base model or a bare adapter; a run directory brings its own "
+                          "config.toml (change single keys with --set)")
+    cfg = run.saved_config()
+    changed = [k for k in ADAPTER_KEYS if k in overrides and overrides[k] != getattr(cfg, k)]
+    if changed:
+        raise ConfigError(f"{', '.join(changed)}: the adapter was trained with "
+                          f"{', '.join(f'{k} = {getattr(cfg, k)!r}' for k in changed)}; it cannot be evaluated "
+                          "with another")
+    return run.saved_config(**overrides), adapter, round_
+
+
+@app.command("eval")
+def eval_(
+    target: Optional[Path] = typer.Argument(None, help="a run directory (its last round's adapter), an adapter folder "
+                                            "(runs/x/adapters/round_NNNN), or nothing: the base model"),
+    round_: Optional[int] = typer.Option(None, "--round", help="with a run directory: this round's adapter"),
+    config: Optional[Path] = typer.Option(None, "--config", "-c", help="TOML file with run keys (base model or bare adapter)"),
+    task: Optional[str] = typer.Option(None, help="arc_challenge | hellaswag | strategy_qa | math_mcqa (default: the run's)"),
+    split: Optional[str] = typer.Option(None, help="split to score (default: the task's evaluation split)"),
+    model: Optional[str] = typer.Option(None, help="packaged name, local folder or hub id (base model or bare adapter)"),
+    dtype: Optional[str] = typer.Option(None, help="auto | bf16 | fp32"),
+    eval_size: Optional[int] = typer.Option(None, help="items scored (0 = the whole split; default: the run's)"),
+    eval_gen_size: Optional[int] = typer.Option(None, help="of those, items also answered by generation (0 = all)"),
+    set_: list[str] = typer.Option([], "--set", help="any other run key: --set max_new_tokens=512"),
+    output: Optional[Path] = typer.Option(None, "--output", "-o", help="JSON file to write (default: beside the "
+                                          "adapter, or ./eval-<model>-<task>-<split>.json for the base model)"),
+    harness: str = typer.Option("fedspear", help="fedspear (SPEC §6) | lm-eval (lm-evaluation-harness's own "
+                                "arc_challenge / hellaswag configs on the shipped data, offline; extra [harness])"),
+    limit: Optional[int] = typer.Option(None, help="lm-eval: score only the first N documents of the split", min=1),
+) -> None:
+    """Evaluate the base model, a saved adapter or a run's final adapter by fedspear's protocol (SPEC §6): the same
+    code as a run's own evaluation. Writes JSON with per-item answers; prints accuracy with its 95% interval."""
+    import json
+
+    from .evaluation import Evaluator
+    from .model import ModelError
+    from .rundir import RunDirError, load_adapter_folder
+    from .tasks.base import DataError
+
+    overrides = {k: v for k, v in dict(task=task, model=model, dtype=dtype, eval_size=eval_size,
+                                       eval_gen_size=eval_gen_size).items() if v is not None}
+    overrides.update(_parse_set(set_))
+    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    try:
+        cfg, adapter, round_ = eval_target(target, round_, config, overrides)
+        from .tasks import get_task
+
+        splits = get_task(cfg.task).SPLITS
+        if split is not None and split not in splits:
+            raise ConfigError(f"--split {split!r}: {cfg.task} has {', '.join(splits)}")
+        if harness not in ("fedspear", "lm-eval"):
+            raise ConfigError(f"--harness {harness!r}: choose fedspear or lm-eval")
+        if limit is not None and harness != "lm-eval":
+            raise ConfigError("--limit applies to --harness lm-eval (fedspear's subset is --eval-size)")
+        if harness == "lm-eval":
+            return _eval_lm_eval(cfg, adapter, round_, target, split, limit, output)
+        arrays = load_adapter_folder(adapter) if adapter is not None else None
+        evaluator = Evaluator(cfg, split)
+        answers: list[dict] = []
+        metrics = evaluator(arrays if arrays is not None else evaluator.initial_adapter(), answers=answers)
+    except (ConfigError, DataError, ModelError, RunDirError, ValueError) as err:
+        _fail(str(err))
+    for item in answers:
+        for kind in ("gen", "ll"):
+            if f"answer_{kind}" in item:
+                item[f"correct_{kind}"] = item[f"answer_{kind}"] == item["gold"]
+    if output is None:
+        name = f"eval-{cfg.task}-{evaluator.split}.json"
+        output = adapter / name if adapter is not None else Path(f"eval-{Path(cfg.model).name}-{cfg.task}-{evaluator.split}.json")
+    result = {"command": "fedspear " + " ".join(sys.argv[1:]), "target": str(target) if target else None,
+              "adapter": str(adapter) if adapter is not None else None, "round": round_, "model": cfg.model,
+              "dtype": evaluator.dtype_used, "task": cfg.task, "split": evaluator.split,
+              "settings": {k: getattr(cfg, k) for k in ("eval_size", "eval_gen_size", "eval_generation",
+                                                        "eval_batch_size", "max_new_tokens", "data_source")},
+              "skipped_records": len(evaluator.skipped), "metrics": metrics, "items": answers}
+    output.parent.mkdir(parents=True, exist_ok=True)
+    output.write_text(json.dumps(result, indent=1) + "\n", encoding="utf-8")
+    what = f"round {round_} of {target}" if round_ is not None and adapter is not None and target != adapter else (
+        str(adapter) if adapter is not None else f"base model {cfg.model}")
+    print(f"{cfg.task} {evaluator.split}, {what} ({evaluator.dtype_used}): {accuracy_text(metrics)}")
+    print(f"per-item answers: {output}")
 
 
 @app.command()
@@ -321,7 +553,8 @@ def bench(
             result = run_scaling(model=model, dtype=dtype, quick=quick,
                                  progress=lambda text: print(f"measuring {text}", file=sys.stderr, flush=True))
         else:
-            result = run_bench(model=model, dtype=dtype, quick=quick, round_=with_round)
+            result = run_bench(model=model, dtype=dtype, quick=quick, round_=with_round,
+                               progress=lambda text: print(f"measuring {text}", file=sys.stderr, flush=True))
     except (ModelError, ValueError) as err:
         _fail(str(err))
     result["command"] = "fedspear " + " ".join(sys.argv[1:])

@@ -18,6 +18,7 @@ from typing import Sequence
 
 import numpy as np
 
+from . import progress
 from .config import RunConfig
 from .feedback import FeedbackSource, make_feedback
 from .algorithms import get_algorithm
@@ -142,7 +143,11 @@ class Worker:
         if feedback_source is None:
             feedback_source = make_feedback(self.task, cfg.user_flip_prob, cfg.user_irrelevant_prob,
                                             seed=derived_seed(cfg.seed, "user", partition_id))
-        metrics = algorithm.client_round(self, examples, lr=lr, seed=seed, feedback=feedback_source)
+        progress.start(f"client {partition_id}", server_round)
+        try:
+            metrics = algorithm.client_round(self, examples, lr=lr, seed=seed, feedback=feedback_source)
+        finally:
+            progress.finish()
         metrics.update(getattr(feedback_source, "counts", {}))
         metrics["partition-size"] = len(partition)
         metrics["peak_rss_mb"] = peak_rss_mb()

@@ -114,6 +114,7 @@ class RunConfig:
     skip_bad_records: bool = field(default=False, metadata=_meta("skip (and count) malformed data records instead of stopping"))
     data_source: str = field(default="offline", metadata=_meta("offline (shipped / data_dir) or hub", choices=["offline", "hub"]))
     output_dir: str = field(default="runs/default", metadata=_meta("run directory (re-running into it resumes)"))
+    tensorboard: bool = field(default=False, metadata=_meta("also write each round's metrics as TensorBoard scalars into <output_dir>/tensorboard (needs the extra fedspear[tensorboard])"))
     user_flip_prob: float = field(default=0.0, metadata=_meta("noisy simulated user: probability p of flipping the verdict (0 = the exact oracle)", min=0, max=1))
     user_irrelevant_prob: float = field(default=0.0, metadata=_meta("noisy simulated user: probability q of an irrelevant hint", min=0, max=1))
     round_timeout: float = field(default=3600.0, metadata=_meta("seconds the server waits for a round's replies", gt=0))

@@ -16,14 +16,20 @@ Both come with n and a 95% Wilson score interval.
 from __future__ import annotations
 
 import math
+import random
 import time
-from typing import Sequence
+from typing import TYPE_CHECKING, Sequence
 
+import numpy as np
 import torch
 
+from . import progress
 from .interaction import generate, render, shared_prefix_length
 from .model import autocast
 from .tasks.base import Example
+
+if TYPE_CHECKING:
+    from .config import RunConfig
 
 
 def wilson_interval(correct: int, n: int, z: float = 1.959964) -> tuple[float, float]:
@@ -108,6 +114,7 @@ def next_token_logits(model, tokenizer, contexts: Sequence[Sequence[int]], *, dt
             logits = head(last).float()  # [B, V]
         for i, r in enumerate(rows):
             out[r] = logits[i]
+        progress.advance(len(rows))
     return torch.stack(out)
 
 
@@ -123,7 +130,8 @@ def loglik_predictions(model, tokenizer, examples: Sequence[Example], task, *, d
 
 def evaluate(model, tokenizer, examples: Sequence[Example], task, *, dtype_used: str = "fp32",
              generation: bool = True, loglik: bool = True, batch_size: int = 32,
-             max_new_tokens: int | None = None, generation_size: int = 0) -> dict[str, float | str]:
+             max_new_tokens: int | None = None, generation_size: int = 0,
+             answers: list | None = None) -> dict[str, float | str]:
     """Accuracy of ``model`` on ``examples``.
 
     ``generation_size`` > 0 generates only for the first ``generation_size`` examples (``n_gen``; callers pass a
@@ -141,6 +149,10 @@ def evaluate(model, tokenizer, examples: Sequence[Example], task, *, dtype_used:
         (``pred_<label>`` counts) so a shift of the label prior is visible. ``correct_<name>`` holds the outcome
         per item in evaluation order ("1" right, "0" wrong; a string of length ``n`` or ``n_gen``), so evaluations
         of the same items can be compared item by item (``fedspear.compare.paired_gain``).
+
+    ``answers``, when a list is given, receives one dict per item in evaluation order: ``uid``, ``gold`` and, for
+    each metric computed on that item, the answer (``answer_gen``: the label read from the greedy answer, None when
+    none could be parsed; ``answer_ll``: the top-scoring label).
     """
     t0 = time.perf_counter()
     out: dict[str, float | str] = {"n": len(examples)}
@@ -154,32 +166,104 @@ def evaluate(model, tokenizer, examples: Sequence[Example], task, *, dtype_used:
         # the first step's logits serve log-likelihood scoring; asking for them keeps every step's [B, V] logits
         # until the batch ends (≈ 5 GB for 32 answers of 256 tokens with a 152k vocabulary), so only when scored
         first: list[torch.Tensor] | None = [] if loglik and task.MULTIPLE_CHOICE else None
-        completions = generate(model, tokenizer, contexts, max_new_tokens=max_new_tokens or task.MAX_NEW_TOKENS,
-                               dtype_used=dtype_used, do_sample=False, batch_size=batch_size, first_logits=first)
+        with progress.phase("evaluation: generation"):
+            completions = generate(model, tokenizer, contexts, max_new_tokens=max_new_tokens or task.MAX_NEW_TOKENS,
+                                   dtype_used=dtype_used, do_sample=False, batch_size=batch_size, first_logits=first)
         predictions = [ex.labels[int(logits[label_token_ids(tokenizer, ex.labels)].argmax())]
                        for logits, ex in zip(first or [], examples)]
-        answers = [task.extract_answer(tokenizer.decode(c, skip_special_tokens=True), ex)
-                   for c, ex in zip(completions, examples)]
-        outcomes = "".join("1" if a == ex.gold else "0" for a, ex in zip(answers, examples))
+        labels_gen = [task.extract_answer(tokenizer.decode(c, skip_special_tokens=True), ex)
+                      for c, ex in zip(completions, examples)]
+        outcomes = "".join("1" if a == ex.gold else "0" for a, ex in zip(labels_gen, examples))
         correct = outcomes.count("1")
         out["correct_gen"] = outcomes
         out["acc_gen"] = correct / len(examples)
         out["acc_gen_low"], out["acc_gen_high"] = wilson_interval(correct, len(examples))
-        out["parsed_gen"] = sum(a is not None for a in answers) / len(examples)
+        out["parsed_gen"] = sum(a is not None for a in labels_gen) / len(examples)
         eos = tokenizer.eos_token_id
         out["cutoff_gen"] = sum(not c or c[-1] != eos for c in completions) / len(examples)
         for label in sorted({l for ex in examples for l in ex.labels}):
-            out[f"pred_{label}"] = sum(a == label for a in answers)
+            out[f"pred_{label}"] = sum(a == label for a in labels_gen)
         examples = examples_all
     if loglik and task.MULTIPLE_CHOICE and examples:
         predictions = predictions or []  # from the generation pass, for the items it covered
         if len(predictions) < len(examples):  # the rest: one forward per item
-            predictions += loglik_predictions(model, tokenizer, examples[len(predictions):], task,
-                                              dtype_used=dtype_used)
+            with progress.phase("evaluation: log-likelihood", total=len(examples) - len(predictions), unit="items"):
+                predictions += loglik_predictions(model, tokenizer, examples[len(predictions):], task,
+                                                  dtype_used=dtype_used)
         outcomes = "".join("1" if p == ex.gold else "0" for p, ex in zip(predictions, examples))
         correct = outcomes.count("1")
         out["correct_ll"] = outcomes
         out["acc_ll"] = correct / len(examples)
         out["acc_ll_low"], out["acc_ll_high"] = wilson_interval(correct, len(examples))
+    if answers is not None:
+        for i, ex in enumerate(examples):
+            item: dict[str, object] = {"uid": ex.uid, "gold": ex.gold}
+            if "correct_gen" in out and i < len(labels_gen):
+                item["answer_gen"] = labels_gen[i]
+            if "correct_ll" in out:
+                item["answer_ll"] = predictions[i]
+            answers.append(item)
     out["seconds_evaluate"] = time.perf_counter() - t0
     return out
+
+
+def eval_items(examples: Sequence[Example], eval_size: int, eval_gen_size: int) -> list[Example]:
+    """The fixed held-out subset a run evaluates, in evaluation order (SPEC §6).
+
+    ``eval_size`` items drawn with a fixed seed (1234), the same for every run seed and algorithm, so runs compare
+    on identical items (0 = all); then the ``eval_gen_size`` items also answered by generation first, chosen with
+    another fixed seed (4321), the rest after them in file order.
+    """
+    items = list(examples)
+    if eval_size and eval_size < len(items):
+        items = random.Random(1234).sample(items, eval_size)
+    if eval_gen_size and eval_gen_size < len(items):
+        chosen = set(random.Random(4321).sample(range(len(items)), eval_gen_size))
+        items = [items[i] for i in sorted(chosen)] + [x for i, x in enumerate(items) if i not in chosen]
+    return items
+
+
+class Evaluator:
+    """Base model + LoRA adapter and the fixed held-out subset it scores (SPEC §6): the server's evaluation in a run
+    and ``fedspear eval``'s, one code path.
+
+    Args:
+        cfg: the run's settings (model, dtype, task, data, LoRA shape, ``eval_*`` keys, ``max_new_tokens``).
+        split: the split to score (default: the task's ``EVAL_SPLIT``).
+    Raises:
+        ModelError / DataError: the model or the split cannot be loaded (message names which).
+    """
+
+    def __init__(self, cfg: "RunConfig", split: str | None = None):
+        from .client import load_split
+        from .model import LoraSettings, add_lora, load_base
+        from .tasks import get_task
+
+        self.cfg = cfg
+        self.task = get_task(cfg.task)
+        self.split = split or self.task.EVAL_SPLIT
+        base, self.tokenizer, self.dtype_used = load_base(cfg.model, cfg.dtype)
+        self.model = add_lora(base, LoraSettings(cfg.lora_r, cfg.lora_alpha, cfg.lora_dropout, cfg.last_layers),
+                              seed=cfg.seed)
+        items, self.skipped = load_split(cfg, self.split)
+        self.examples = eval_items(items, cfg.eval_size, cfg.eval_gen_size)
+
+    def initial_adapter(self) -> dict[str, np.ndarray]:
+        """The fresh adapter (every ``lora_B`` zero: the base model), name → array."""
+        from .model import get_adapter
+
+        return get_adapter(self.model)
+
+    def peft_config(self) -> dict:
+        return self.model.peft_config["default"].to_dict()
+
+    def __call__(self, arrays: dict[str, np.ndarray], answers: list | None = None) -> dict[str, float | str]:
+        """``evaluate`` with ``arrays`` loaded as the adapter (``set_adapter`` raises ValueError on a name or
+        shape that does not fit the model)."""
+        from .model import set_adapter
+
+        set_adapter(self.model, arrays)
+        return evaluate(self.model, self.tokenizer, self.examples, self.task, dtype_used=self.dtype_used,
+                        generation=self.cfg.eval_generation, max_new_tokens=self.cfg.max_new_tokens,
+                        generation_size=self.cfg.eval_gen_size, batch_size=self.cfg.eval_batch_size,
+                        answers=answers)

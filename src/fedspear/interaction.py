@@ -24,6 +24,7 @@ from typing import Sequence
 
 import torch
 
+from . import progress
 from .feedback import FeedbackSource
 from .model import autocast
 from .tasks.base import Example
@@ -107,6 +108,18 @@ def shared_prefix_length(contexts: Sequence[Sequence[int]]) -> int:
     return n
 
 
+class _DecodeSteps:
+    """A stopping criterion that never stops: it reports each decode step to ``fedspear.progress``."""
+
+    def __init__(self):
+        self.count = 0
+
+    def __call__(self, input_ids: torch.Tensor, scores, **kwargs) -> torch.Tensor:
+        self.count += 1
+        progress.advance()
+        return torch.zeros(input_ids.shape[0], dtype=torch.bool, device=input_ids.device)
+
+
 @torch.no_grad()
 def generate(
     model,
@@ -158,6 +171,10 @@ def generate(
         kwargs = dict(do_sample=do_sample, temperature=temperature, top_p=top_p) if do_sample else dict(
             do_sample=False, temperature=None, top_p=None, top_k=None
         )
+        steps = _DecodeSteps() if progress.active() else None
+        if steps is not None:
+            progress.expect(max_new_tokens, "tokens")
+            kwargs["stopping_criteria"] = [steps]
         with autocast(dtype_used):
             if prefix:
                 cache = model(input_ids=input_ids[:1, :prefix], use_cache=True).past_key_values
@@ -174,6 +191,8 @@ def generate(
                 output_logits=first_logits is not None,
                 **kwargs,
             )
+        if steps is not None:
+            progress.advance(max_new_tokens - steps.count)  # a batch that ended early: its unused budget
         if first_logits is not None:
             first_logits.extend(generated.logits[0].float())  # B × [V]
         for row in generated.sequences[:, prefix + width :].tolist():  # [B, new]
@@ -240,7 +259,8 @@ def interact(
         return Trace(examples[i].uid, c0[i], ids, bool(ids) and ids[-1] == eos, alpha)
 
     t = time.perf_counter()
-    y0 = sample(c0, list(range(len(examples))), 0)
+    with progress.phase("initial answers"):
+        y0 = sample(c0, list(range(len(examples))), 0)
     counters["seconds_generate_initial"] = time.perf_counter() - t
 
     pending: list[int] = []  # indices of prompts still wrong
@@ -265,7 +285,8 @@ def interact(
             f_n = feedback_source.feedback(examples[i], text(previous[i]))
             contexts.append(render(tokenizer, [prompts[i], text(previous[i]), f_n]))
         counters["revisions_attempted"] += len(pending)
-        revised = sample(contexts, pending, n)
+        with progress.phase(f"revision {n}"):
+            revised = sample(contexts, pending, n)
         still = []
         for i, y_n in zip(pending, revised):
             if feedback_source.is_correct(examples[i], text(y_n)):

@@ -145,6 +145,32 @@ def _dp_line(cfg: RunConfig, rounds: Sequence[dict]) -> str:
             f"client counters and update norms in `metrics.jsonl` are not covered; `fedspear.fl.privacy`).{seeded}")
 
 
+def accuracy_text(ev: dict) -> str:
+    """An evaluation as the CLI prints it: each accuracy with its 95% interval and n, then the parse and cut-off
+    rates of the generated answers, e.g. ``generation 0.410 [0.319, 0.508] (n=100), log-likelihood 0.562 [0.534,
+    0.590] (n=1172); parsed 0.98, cut off 0.02``."""
+    parts = [f"{name} {ev[k]:.3f} [{ev[k + '_low']:.3f}, {ev[k + '_high']:.3f}] (n={ev.get(n_key, ev['n'])})"
+             for k, name, n_key in (("acc_gen", "generation", "n_gen"), ("acc_ll", "log-likelihood", "n"))
+             if k in ev]
+    rates = [f"{name} {ev[k]:.2f}" for k, name in (("parsed_gen", "parsed"), ("cutoff_gen", "cut off")) if k in ev]
+    return ", ".join(parts) + (f"; {', '.join(rates)}" if rates else "")
+
+
+def round_text(record: dict) -> str:
+    """A round's line as ``fedspear run`` and ``flwr run`` print it (round 0: the held-out accuracy before training;
+    later rounds: wins, losses, revisions, initial accuracy, evaluated accuracies, seconds, ε under DP)."""
+    from .rundir import initial_accuracy
+
+    ev = record.get("eval") or {}
+    acc = " ".join(f"{k} {ev[k]:.3f}" for k in ("acc_gen", "acc_ll") if k in ev)
+    if record["round"] == 0:
+        return f"round 0 (before training): {acc}  [{ev.get('n', 0)} held-out items]"
+    return (f"round {record['round']}: wins {record['wins']} losses {record['losses']} revisions "
+            f"{record['revisions_successful']}/{record['revisions_attempted']} initial acc "
+            f"{(initial_accuracy(record) or 0):.2f}  {acc}  ({record['seconds']['round']:.0f} s)"
+            + (f"  ε {epsilon_text(record)} (δ {record['dp_delta']:g})" if "dp_releases" in record else ""))
+
+
 def epsilon_text(record: dict) -> str:
     """A round's ε as shown in reports and on the CLI: 3 decimals, ∞ when no noise was added (z = 0; stored as
     null), – for records without DP (no ``dp_releases``)."""

@@ -57,7 +57,7 @@ class RunDirError(ValueError):
 
 
 # keys that may change between invocations without changing the experiment
-RESUME_FREE_KEYS = {"output_dir", "round_timeout", "data_dir", "round0_from", "max_empty_rounds"}
+RESUME_FREE_KEYS = {"output_dir", "round_timeout", "data_dir", "round0_from", "max_empty_rounds", "tensorboard"}
 
 # Keys added with a default that differs from what runs did before them: a saved config.toml without the key was
 # made under the old behaviour, so resuming it under the new default must be refused, not silently mixed.
@@ -99,9 +99,7 @@ class RunDir:
         """
         self.path.mkdir(parents=True, exist_ok=True)
         if self.config_path.is_file():
-            raw = read_toml(self.config_path, "saved config")
-            raw = raw.get("fedspear", raw)
-            saved = load_config(self.config_path, **{k: v for k, v in LEGACY_DEFAULTS.items() if k not in raw})
+            saved = self.saved_config()
             differ = [k for k, v in cfg.to_dict().items()
                       if k not in RESUME_FREE_KEYS and saved.to_dict().get(k) != v]
             if differ:
@@ -112,6 +110,20 @@ class RunDir:
                 )
             return
         _atomic_write(self.config_path, cfg.to_toml())
+
+    def saved_config(self, **overrides: Any) -> RunConfig:
+        """The run's ``config.toml`` (keys added since it was written take their old behaviour, ``LEGACY_DEFAULTS``),
+        with ``overrides`` applied.
+
+        Raises:
+            ConfigError: the file is missing or not a valid config (names it).
+        """
+        if not self.config_path.is_file():
+            raise ConfigError(f"{self.path}: no config.toml; not a fedspear run directory")
+        raw = read_toml(self.config_path, "saved config")
+        raw = raw.get("fedspear", raw)
+        legacy = {k: v for k, v in LEGACY_DEFAULTS.items() if k not in raw}
+        return load_config(self.config_path, **{**legacy, **overrides})
 
     def write_json(self, name: str, value: Any) -> None:
         """Write ``<run dir>/<name>`` as indented JSON (atomically: temp file, then rename)."""
@@ -224,15 +236,24 @@ class RunDir:
         Raises:
             RunDirError: no adapter was saved for that round, or the file is damaged (names the path).
         """
-        from safetensors.numpy import load_file
+        return load_adapter_folder(self.adapter_dir(server_round), f"adapter of round {server_round}", "; cannot resume")
 
-        path = self.adapter_dir(server_round) / "adapter_model.safetensors"
-        if not path.is_file():
-            raise RunDirError(f"{path}: adapter of round {server_round} missing; cannot resume")
-        try:
-            return dict(load_file(str(path)))
-        except Exception as err:  # safetensors raises its own error types for a damaged file
-            raise RunDirError(f"{path}: adapter of round {server_round} unreadable ({err}); cannot resume") from None
+
+def load_adapter_folder(folder: str | Path, what: str = "adapter", consequence: str = "") -> dict[str, np.ndarray]:
+    """The tensors of a peft adapter folder (``adapter_model.safetensors``), name → array.
+
+    Raises:
+        RunDirError: the file is missing or damaged (names the path).
+    """
+    from safetensors.numpy import load_file
+
+    path = Path(folder) / "adapter_model.safetensors"
+    if not path.is_file():
+        raise RunDirError(f"{path}: {what} missing{consequence}")
+    try:
+        return dict(load_file(str(path)))
+    except Exception as err:  # safetensors raises its own error types for a damaged file
+        raise RunDirError(f"{path}: {what} unreadable ({err}){consequence}") from None
 
 
 def _json_default(value: Any) -> Any:

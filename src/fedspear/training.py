@@ -21,6 +21,7 @@ from typing import Sequence
 import torch
 
 from . import losses as L
+from . import progress
 from .interaction import Trace
 from .model import FastDropout, autocast
 from .server_opt import fedprox_term
@@ -243,29 +244,31 @@ def optimise(model, micro_step, settings: TrainSettings, *, lr: float, seed: int
     no_dropout = [] if settings.dropout else dropout_modules(model)
     out: dict[str, float] = {"steps": 0, "skipped_nonfinite": 0}
     sums: dict[str, float] = {}
-    for _ in range(settings.local_steps):
-        optimizer.zero_grad(set_to_none=True)
-        for _ in range(settings.grad_accum):
-            for module in no_dropout:  # again each time: a micro-step may have called model.train()
-                module.eval()
-            terms = micro_step()
-            loss = terms["loss"]
-            if anchor is not None:
-                loss = loss + fedprox_term(params, anchor, settings.prox_mu)
-            (loss / settings.grad_accum).backward()
-            for key, value in terms.items():
-                value = float(value.detach()) if torch.is_tensor(value) else float(value)
-                if key == "active_tokens":
-                    sums["active_tokens_sum"] = sums.get("active_tokens_sum", 0.0) + value
-                else:
-                    sums[key] = sums.get(key, 0.0) + value / settings.grad_accum
-        norm = torch.nn.utils.clip_grad_norm_(params, settings.max_grad_norm)
-        if not torch.isfinite(norm):
-            out["skipped_nonfinite"] += 1
+    with progress.phase("training", total=settings.local_steps * settings.grad_accum, unit="micro-steps"):
+        for _ in range(settings.local_steps):
             optimizer.zero_grad(set_to_none=True)
-            continue
-        optimizer.step()
-        out["steps"] += 1
+            for _ in range(settings.grad_accum):
+                for module in no_dropout:  # again each time: a micro-step may have called model.train()
+                    module.eval()
+                terms = micro_step()
+                loss = terms["loss"]
+                if anchor is not None:
+                    loss = loss + fedprox_term(params, anchor, settings.prox_mu)
+                (loss / settings.grad_accum).backward()
+                for key, value in terms.items():
+                    value = float(value.detach()) if torch.is_tensor(value) else float(value)
+                    if key == "active_tokens":
+                        sums["active_tokens_sum"] = sums.get("active_tokens_sum", 0.0) + value
+                    else:
+                        sums[key] = sums.get(key, 0.0) + value / settings.grad_accum
+                progress.advance()
+            norm = torch.nn.utils.clip_grad_norm_(params, settings.max_grad_norm)
+            if not torch.isfinite(norm):
+                out["skipped_nonfinite"] += 1
+                optimizer.zero_grad(set_to_none=True)
+                continue
+            optimizer.step()
+            out["steps"] += 1
     n = max(1, settings.local_steps)
     out.update({k: (v if k == "active_tokens_sum" else v / n) for k, v in sums.items()})
     return out

@@ -12,63 +12,31 @@ from __future__ import annotations
 
 import json
 import logging
-import random
 import time
+from pathlib import Path
 from typing import Callable
 
 import numpy as np
 from flwr.app import ConfigRecord, Context, Message, MessageType, RecordDict
 from flwr.serverapp import Grid, ServerApp
 
-from fedspear.client import load_split, load_train_examples, peak_rss_mb
+from fedspear import progress
+from fedspear.client import load_train_examples, peak_rss_mb
 from fedspear.config import RunConfig, load_config
-from fedspear.evaluation import evaluate
+from fedspear.evaluation import Evaluator
 from fedspear.fl.partition import dirichlet_partitions, partition_summary
 from fedspear.fl.privacy import STATE_FILE, PrivateRounds, reply_norm_bound
 from fedspear.fl.strategy import LAYOUT_KEY, WinWeightedFedAvg, from_record, layout_of, to_record
-from fedspear.model import LoraSettings, add_lora, get_adapter, load_base, set_adapter
-from fedspear.report import write_report
+from fedspear.report import accuracy_text, round_text, write_report
 from fedspear.rundir import EmptyRoundError, RunDir, RunDirError, initial_accuracy
 from fedspear.server_opt import arrays_to_state, state_to_arrays
-from fedspear.tasks import get_task
+from fedspear.tensorboard import ScalarWriter
 from fedspear.training import lr_at_round
 
 log = logging.getLogger("fedspear")
 
 COUNTERS = ("prompts", "initial_samples", "initial_correct", "revisions_attempted", "revisions_successful", "num-wins",
             "num-losses", "weight", "generations", "tokens_generated", "skipped_nonfinite", "active_tokens", "lose_used", "steps")
-
-
-class Evaluator:
-    """The server's copy of base model + adapter, and the fixed held-out subset it scores (SPEC §6)."""
-
-    def __init__(self, cfg: RunConfig):
-        self.cfg = cfg
-        self.task = get_task(cfg.task)
-        base, self.tokenizer, self.dtype_used = load_base(cfg.model, cfg.dtype)
-        self.model = add_lora(base, LoraSettings(cfg.lora_r, cfg.lora_alpha, cfg.lora_dropout, cfg.last_layers),
-                              seed=cfg.seed)
-        items, self.skipped = load_split(cfg, self.task.EVAL_SPLIT)
-        if cfg.eval_size and cfg.eval_size < len(items):
-            # a fixed subset, the same for every seed and algorithm, so runs compare on identical items
-            items = random.Random(1234).sample(items, cfg.eval_size)
-        if cfg.eval_gen_size and cfg.eval_gen_size < len(items):
-            # generation answers a fixed subset: put it first, in a seeded order independent of the run's seed
-            chosen = set(random.Random(4321).sample(range(len(items)), cfg.eval_gen_size))
-            items = [items[i] for i in sorted(chosen)] + [x for i, x in enumerate(items) if i not in chosen]
-        self.examples = items
-
-    def initial_adapter(self) -> dict[str, np.ndarray]:
-        return get_adapter(self.model)
-
-    def peft_config(self) -> dict:
-        return self.model.peft_config["default"].to_dict()
-
-    def __call__(self, arrays: dict[str, np.ndarray]) -> dict[str, float]:
-        set_adapter(self.model, arrays)
-        return evaluate(self.model, self.tokenizer, self.examples, self.task, dtype_used=self.dtype_used,
-                        generation=self.cfg.eval_generation, max_new_tokens=self.cfg.max_new_tokens,
-                        generation_size=self.cfg.eval_gen_size, batch_size=self.cfg.eval_batch_size)
 
 
 # settings that decide the round-0 evaluation (the base model's answers on the fixed held-out subset)
@@ -316,8 +284,16 @@ def run_server(grid: Grid, cfg: RunConfig, on_round: Callable[[dict], None] | No
     )
     # before the model loads: a missing privacy accountant (flwr[dp]) stops the run here, not after round 0
     private = PrivateRounds(strategy, cfg) if cfg.dp != "off" else None
-    evaluator = Evaluator(cfg)
     records = run.records()
+    board = ScalarWriter(run.path, first_round=len(records)) if cfg.tensorboard else None  # before the model, too
+
+    def emit(record: dict) -> None:
+        if board is not None:
+            board.write(record)
+        if on_round:
+            on_round(record)
+
+    evaluator = Evaluator(cfg)
     if records:
         last = records[-1]["round"]
         arrays = in_model_order(run.load_adapter(last), evaluator.initial_adapter(), run.adapter_dir(last))
@@ -326,7 +302,9 @@ def run_server(grid: Grid, cfg: RunConfig, on_round: Callable[[dict], None] | No
     else:
         last, arrays = 0, evaluator.initial_adapter()
         t0 = time.perf_counter()
+        progress.start("server", 0)
         metrics = reused_round0(cfg, arrays) or evaluator(arrays)
+        progress.finish()
         wall = time.perf_counter() - t0
         run.save_adapter(0, arrays, evaluator.peft_config())
         record = {"round": 0, "eval": metrics, "seconds": {"evaluate": metrics["seconds_evaluate"]},
@@ -334,8 +312,7 @@ def run_server(grid: Grid, cfg: RunConfig, on_round: Callable[[dict], None] | No
                   "peak_rss_mb": {"server": peak_rss_mb()}}
         run.append(record)
         records.append(record)
-        if on_round:
-            on_round(record)
+        emit(record)
 
     saved_state = run.load_server_state(last) if last else None
     if saved_state:
@@ -353,24 +330,27 @@ def run_server(grid: Grid, cfg: RunConfig, on_round: Callable[[dict], None] | No
         streak += 1
     for server_round in range(last + 1, cfg.rounds + 1):
         t_round = time.perf_counter()
+        progress.start("server", server_round)
         lr = lr_at_round(server_round, cfg.rounds, cfg.lr, cfg.lr_min, cfg.warmup_ratio)
         layout = layout_of(arrays)
         config = ConfigRecord({"lr": lr, "fedspear-config": payload, **({LAYOUT_KEY: layout} if layout else {})})
         driver = private or strategy  # under DP, Flower's wrapper around the strategy
         messages = list(driver.configure_train(server_round, to_record(arrays), config, grid))
         t_send = time.perf_counter()
-        replies = list(grid.send_and_receive(messages, timeout=cfg.round_timeout))
+        with progress.phase("waiting for clients"):
+            replies = list(grid.send_and_receive(messages, timeout=cfg.round_timeout))
         t_recv = time.perf_counter()
         silent = {m.metadata.dst_node_id for m in messages} - {r.metadata.src_node_id for r in replies}
         for node in sorted(silent):
             log.warning("round %d: node %d sent no reply within %g s (timed out or disconnected); dropped",
                         server_round, node, cfg.round_timeout)
-        if private is not None:
-            new_arrays, rejected, dropped = private.aggregate_train(server_round, replies)
-        else:
-            new_record, _ = strategy.aggregate_train(server_round, replies)
-            new_arrays = from_record(new_record, layout) if new_record is not None else None
-            rejected, dropped = strategy.rejected, strategy.dropped
+        with progress.phase("aggregation"):
+            if private is not None:
+                new_arrays, rejected, dropped = private.aggregate_train(server_round, replies)
+            else:
+                new_record, _ = strategy.aggregate_train(server_round, replies)
+                new_arrays = from_record(new_record, layout) if new_record is not None else None
+                rejected, dropped = strategy.rejected, strategy.dropped
         aggregated = strategy.last_aggregated
         if new_arrays is not None:
             arrays = new_arrays
@@ -417,9 +397,11 @@ def run_server(grid: Grid, cfg: RunConfig, on_round: Callable[[dict], None] | No
         run.save_adapter(server_round, arrays, evaluator.peft_config(), server_state=state, json_state=json_state)
         run.append(record)
         records.append(record)
-        if on_round:
-            on_round(record)
+        progress.finish()
+        emit(record)
     write_report(run.path, records, cfg, dtype=evaluator.dtype_used)
+    if board is not None:
+        board.close()
     return records
 
 
@@ -435,4 +417,9 @@ def main(grid: Grid, context: Context) -> None:
     overrides = {k.replace("-", "_"): v for k, v in run_config.items()}
     overrides["output_dir"] = overrides.pop("run_dir", None)
     cfg = load_config(config_file, **overrides)
-    run_server(grid, cfg)
+    # Flower streams this process's stdout to `flwr run --stream` / `flwr log`: one line per round, as `fedspear run`
+    records = run_server(grid, cfg, on_round=lambda record: print(round_text(record), flush=True))
+    last = next((r for r in reversed(records) if r.get("eval")), None)
+    if last is not None and last["round"] > 0:
+        print(f"final accuracy (round {last['round']}): {accuracy_text(last['eval'])}", flush=True)
+    print(f"report: {Path(cfg.output_dir) / 'report.md'}", flush=True)

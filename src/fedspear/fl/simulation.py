@@ -10,10 +10,12 @@ from __future__ import annotations
 
 import logging
 import os
+import shutil
 from pathlib import Path
 from typing import Callable
 
 from fedspear.config import RunConfig
+from fedspear.progress import ENV as PROGRESS_ENV
 
 
 def flower_environment(run_dir: str | Path) -> None:
@@ -24,6 +26,8 @@ def flower_environment(run_dir: str | Path) -> None:
     os.environ["FLWR_TELEMETRY_ENABLED"] = "0"
     os.environ["FLWR_DISABLE_UPDATE_CHECK"] = "1"
     os.environ["FLWR_DISABLE_RUNTIME_DEPENDENCY_INSTALLATION"] = "1"
+    # the simulated clients (Ray actor) and the ServerApp say where they are in each round (``fedspear.progress``)
+    os.environ[PROGRESS_ENV] = str(Path(run_dir).resolve() / "progress")
     os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
     # Ray picks the machine's outward address for its workers unless told it is not a cluster node; with this
     # (read when ray is imported) every Ray process binds and talks to 127.0.0.1 only.
@@ -42,6 +46,7 @@ def simulate(cfg: RunConfig, on_round: Callable[[dict], None] | None = None, ver
         rounds, and re-running resumes).
     """
     flower_environment(cfg.output_dir)
+    shutil.rmtree(Path(cfg.output_dir) / "progress", ignore_errors=True)  # a previous invocation's last state
     from flwr.app import Context
     from flwr.serverapp import Grid, ServerApp
     from flwr.simulation import run_simulation
@@ -76,8 +81,11 @@ def simulate(cfg: RunConfig, on_round: Callable[[dict], None] | None = None, ver
             "log_to_driver": verbose,
         },
     }
-    run_simulation(server_app=server_app, client_app=client_app, num_supernodes=cfg.num_clients,
-                   backend_config=backend_config, verbose_logging=verbose)
+    try:
+        run_simulation(server_app=server_app, client_app=client_app, num_supernodes=cfg.num_clients,
+                       backend_config=backend_config, verbose_logging=verbose)
+    finally:  # later work in this process (another run, a benchmark) records no progress into this run's folder
+        os.environ.pop(PROGRESS_ENV, None)
     if "error" in outcome:
         raise outcome["error"]  # type: ignore[misc]
     if "records" not in outcome:

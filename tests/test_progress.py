@@ -67,11 +67,12 @@ def test_evaluation_reports_generation_batches_and_loglik_items(recorded, tiny, 
 
     progress.start("server", 0)
     model, tokenizer = tiny
-    evaluate(model, tokenizer, arc_items, arc_challenge, max_new_tokens=3, batch_size=4, generation_size=2)
+    evaluate(model, tokenizer, arc_items, arc_challenge, max_new_tokens=3, batch_size=4, generation_size=5)
     gen = [s for s in recorded if s["phase"] == "evaluation: generation"]
     ll = [s for s in recorded if s["phase"] == "evaluation: log-likelihood"]
-    assert (gen[-1]["done"], gen[-1]["total"]) == (3, 3)  # 2 items: one batch of 3 decode steps
-    assert (ll[-1]["done"], ll[-1]["total"], ll[-1]["unit"]) == (4, 4, "items")  # the other 4 by one forward each
+    # 5 items in batches of 4: 2 batches × 3 decode steps, the whole total known before the first step (for the ETA)
+    assert {s["total"] for s in gen if s["total"]} == {6} and (gen[-1]["done"], gen[-1]["total"]) == (6, 6)
+    assert (ll[-1]["done"], ll[-1]["total"], ll[-1]["unit"]) == (1, 1, "items")  # the 6th by one forward
 
 
 def test_describe_by_hand():

@@ -155,6 +155,9 @@ def generate(
     out: list[list[int]] = []
     was_training = model.training
     model.eval()
+    # every batch's whole token budget up front, so the phase's ETA covers all of them; a batch that stops early
+    # (every row at EOS) counts its unused budget as done
+    progress.expect(-(-len(contexts) // batch_size) * max_new_tokens, "tokens")
     for start in range(0, len(contexts), batch_size):
         chunk = contexts[start : start + batch_size]
         prefix = shared_prefix_length(chunk) if reuse_prefix and len(chunk) > 1 else 0
@@ -173,7 +176,6 @@ def generate(
         )
         steps = _DecodeSteps() if progress.active() else None
         if steps is not None:
-            progress.expect(max_new_tokens, "tokens")
             kwargs["stopping_criteria"] = [steps]
         with autocast(dtype_used):
             if prefix:

@@ -15,7 +15,8 @@ EXTRA=${3:-}
 VENV_BIN=$(cd "${VENV_BIN:-.venv/bin}" && pwd)
 export PATH="$VENV_BIN:$PATH"  # the SuperLink spawns flower-superexec / flwr-simulation from PATH
 mkdir -p "$RUN_DIR"
-export FLWR_HOME="$(cd "$RUN_DIR" && pwd)/.flwr"
+RUN_ABS=$(cd "$RUN_DIR" && pwd)  # RUN_DIR as given, relative (to the repository) or absolute
+export FLWR_HOME="$RUN_ABS/.flwr"
 export FLWR_TELEMETRY_ENABLED=0 FLWR_DISABLE_UPDATE_CHECK=1 FLWR_DISABLE_RUNTIME_DEPENDENCY_INSTALLATION=1
 export RAY_USAGE_STATS_ENABLED=0
 export RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0  # Ray binds to 127.0.0.1 only (not a cluster node)
@@ -47,7 +48,6 @@ for _ in $(seq 1 60); do
   kill -0 "$SUPERLINK_PID" 2>/dev/null || { echo "SuperLink exited; see $FLWR_HOME/superlink.log" >&2; exit 1; }
   sleep 1
 done
-RUN_ABS=$(cd "$RUN_DIR" && pwd)  # RUN_DIR as given, relative (to the repository) or absolute
 CONFIG="run-dir=\"$RUN_ABS\" num-clients=$NODES"
 [ -n "$EXTRA" ] && CONFIG="$CONFIG $EXTRA"
 "$VENV_BIN/flwr" run . local --stream --run-config "$CONFIG" \

@@ -38,6 +38,11 @@ def run_dir(tmp_path_factory):
     trained = {k: (v + rng.normal(0, 0.5, v.shape)).astype(v.dtype) for k, v in start.items()}
     run.save_adapter(0, start, evaluator.peft_config())
     run.save_adapter(2, trained, evaluator.peft_config())
+    for r in range(3):  # the rounds metrics.jsonl says were completed
+        run.append({"round": r})
+    # a crash mid-write of round 3's adapter: neither picked as the last adapter nor misread as a round
+    (path / "adapters" / "round_0003.tmp").mkdir()
+    (path / "adapters" / "round_0003.tmp" / "adapter_model.safetensors").write_bytes(b"half")
     expected = {}
     for r, arrays in ((0, start), (2, trained)):
         answers: list = []
@@ -85,10 +90,19 @@ def test_adapter_folder_and_round_option_pick_that_adapter(run_dir, tmp_path):
         assert result.exit_code == 0, result.output
         saved = json.loads(out.read_text())
         assert saved["round"] == 0 and _strip(saved["metrics"]) == _strip(expected[0][0])
-    # the default output lands beside the adapter
+    # without -o: into the run directory's eval/, outside adapters/ (which a redone round replaces)
     result = _eval(path / "adapters" / "round_0002")
     assert result.exit_code == 0, result.output
-    assert (path / "adapters" / "round_0002" / "eval-arc_challenge-test.json").is_file()
+    assert (path / "eval" / "eval-round_0002-arc_challenge-test.json").is_file()
+    # an adapter saved after the last completed round (the run died before recording it) is not "the last"
+    import shutil
+
+    shutil.copytree(path / "adapters" / "round_0002", path / "adapters" / "round_0004")
+    try:
+        out = tmp_path / "last.json"
+        assert _eval(path, "-o", out).exit_code == 0 and json.loads(out.read_text())["round"] == 2
+    finally:
+        shutil.rmtree(path / "adapters" / "round_0004")
 
 
 def test_base_model_and_overrides(run_dir, tmp_path):
@@ -144,6 +158,12 @@ def test_bare_adapter_takes_r_and_alpha_from_its_config(run_dir, tmp_path):
     # a model the adapter does not fit: named, not a traceback
     result = _eval(bare, "--model", "tiny-random", "--set", "lora_r=8", "--eval-size", "2")
     assert result.exit_code == 2 and "adapter tensor" in result.output and "shape" in result.output
+    # no --model and no base model folder named in adapter_config.json: asked for, not guessed
+    result = _eval(bare, "--eval-size", "2")
+    assert result.exit_code == 2 and "a bare adapter needs --model" in result.output
+    # an unwritable output: a message, not a traceback
+    result = _eval(bare, "--model", "tiny-random", "--eval-size", "2", "-o", bare / "adapter_model.safetensors" / "x.json")
+    assert result.exit_code == 2 and "cannot write the result" in result.output
 
 
 @pytest.mark.parametrize(("args", "fragment"), [
@@ -152,6 +172,7 @@ def test_bare_adapter_takes_r_and_alpha_from_its_config(run_dir, tmp_path):
     (["--harness", "lm-eval", "--split", "train"], "scores arc_challenge's test split only"),
     (["--limit", "5"], "--limit applies to --harness lm-eval"),
     (["--harness", "helm"], "--harness 'helm': choose fedspear or lm-eval"),
+    (["--harness", "lm-eval", "--eval-size", "50", "--dtype", "bf16"], "--eval-size, --dtype: not used by --harness"),
 ])
 def test_harness_bad_input(args, fragment):
     result = _eval(*args)
@@ -177,6 +198,8 @@ def test_lm_eval_harness_scores_the_shipped_data_offline_with_the_adapter(tmp_pa
     run.save_adapter(0, start, evaluator.peft_config())
     run.save_adapter(1, {k: (v + rng.normal(0, 0.3, v.shape)).astype(v.dtype) for k, v in start.items()},
                      evaluator.peft_config())
+    run.append({"round": 0})
+    run.append({"round": 1})
     outs = {}
     for name, args in (("base", ["--model", "smollm2-135m", "--task", task]),
                        ("r0", [tmp_path / "run", "--round", "0"]), ("r1", [tmp_path / "run"])):

@@ -3,6 +3,7 @@ far, and how the CLI draws it. Off unless ``FEDSPEAR_PROGRESS_DIR`` is set (the 
 
 from __future__ import annotations
 
+import io
 import json
 
 import pytest
@@ -30,12 +31,45 @@ def recorded(tmp_path, monkeypatch):
     progress.stop()
 
 
-def test_off_by_default(tmp_path, monkeypatch):
+def test_off_by_default(monkeypatch):
     monkeypatch.delenv(ENV, raising=False)
+
+    def never(self, force=False):
+        raise AssertionError("a progress file was written with FEDSPEAR_PROGRESS_DIR unset")
+
+    monkeypatch.setattr(progress.Reporter, "write", never)
     progress.start("client 0", 1)
     with progress.phase("training", total=3):
         progress.advance()
-    assert not progress.active() and not list(tmp_path.iterdir())
+    progress.finish()
+    assert not progress.active()
+
+
+def test_an_unwritable_folder_never_ends_a_round(tmp_path, monkeypatch):
+    (tmp_path / "file").write_text("")
+    monkeypatch.setenv(ENV, str(tmp_path / "file" / "progress"))  # below a regular file: every write fails
+    progress.start("client 0", 1)
+    with progress.phase("training", total=2):
+        progress.advance()
+        progress.expect(3)
+    progress.finish()
+    progress.stop()
+    assert list(tmp_path.iterdir()) == [tmp_path / "file"]  # and no temp file left behind
+
+
+def test_a_top_level_phase_returns_to_none(recorded):
+    progress.start("server", 2)
+    with progress.phase("aggregation"):
+        pass
+    progress.advance(5)  # outside any phase: counted nowhere
+    with progress.phase("evaluation: generation", total=4):
+        with progress.phase("inner", total=1):
+            progress.advance()
+        progress.advance(2)
+    assert recorded[-1]["phase"] == "evaluation: generation" and recorded[-1]["done"] == 4  # ends at its total
+    # starts at 0 (the 5 outside any phase went nowhere); the inner phase's unit is not its parent's
+    assert [s["done"] for s in recorded if s["phase"] == "evaluation: generation"] == [0, 2, 4]
+    assert progress._reporter.state["phase"] is None
 
 
 def test_client_round_reports_each_phase_up_to_its_total(recorded, tmp_path, always_right, scripted):
@@ -96,7 +130,7 @@ def test_watcher_draws_one_row_per_busy_process(tmp_path):
     (folder / "client-2.json").write_text(json.dumps(busy))
     (folder / "client-5.json").write_text(json.dumps({**busy, "who": "client 5", "phase": "done"}))
     (folder / "server.json").write_text("{torn")  # mid-replace: skipped this time
-    bars = Progress(console=Console(file=open(tmp_path / "out.txt", "w"), force_terminal=True))
+    bars = Progress(console=Console(file=io.StringIO(), force_terminal=True))
     watcher = PhaseWatcher(bars, folder)
     watcher.refresh()
     tasks = {t.description: t for t in bars.tasks}
@@ -106,3 +140,34 @@ def test_watcher_draws_one_row_per_busy_process(tmp_path):
     (folder / "client-2.json").write_text(json.dumps({**busy, "phase": "done"}))
     watcher.refresh()
     assert not bars.tasks  # a finished client's row goes away
+    # a client left in round 1 (dropped mid-round) while the server is in round 2: no stale row
+    (folder / "client-2.json").write_text(json.dumps(busy))
+    (folder / "server.json").write_text(json.dumps({**busy, "who": "server", "round": 2, "phase": "waiting for clients"}))
+    watcher.refresh()
+    assert [t.description.split(" · ")[1] for t in bars.tasks] == ["server"]
+
+
+def test_watcher_thread_draws_while_the_run_goes_on(tmp_path):
+    import time
+
+    from rich.console import Console
+    from rich.progress import Progress
+
+    from fedspear.cli import PhaseWatcher
+
+    folder = tmp_path / "progress"
+    folder.mkdir()
+    bars = Progress(console=Console(file=io.StringIO(), force_terminal=True))
+    with PhaseWatcher(bars, folder) as watcher:
+        (folder / "client-0.json").write_text(json.dumps({"who": "client 0", "round": 1, "phase": "training",
+                                                          "done": 1, "total": 2, "phase_started": time.time()}))
+        (folder / "bad.json").write_text("[1, 2]")  # not a state: ignored, the thread goes on
+        deadline = time.time() + 10
+        while not bars.tasks and time.time() < deadline:
+            time.sleep(0.1)
+        assert [t.completed for t in bars.tasks] == [1]
+        assert watcher._thread.is_alive()
+    assert not watcher._thread.is_alive() and not bars.tasks  # stopped, rows removed
+    # not a terminal (CI, nohup): no thread at all
+    with PhaseWatcher(Progress(console=Console(file=io.StringIO())), folder) as quiet:
+        assert quiet._thread is None

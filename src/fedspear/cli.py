@@ -170,13 +170,20 @@ class PhaseWatcher:
 
     def _poll(self) -> None:
         while not self._stop.wait(0.5):
-            self.refresh()
+            try:
+                self.refresh()
+            except Exception:  # noqa: BLE001 - a display must never end or disturb the run; the next poll retries
+                continue
 
     def refresh(self) -> None:
-        """Read the files once and update the rows (a finished client's row goes away)."""
+        """Read the files once and update the rows. A finished client's row goes away, and so does one left behind
+        by an earlier round (a client that was dropped or failed mid-round)."""
         from . import progress
 
-        states = {s["who"]: s for s in progress.read(self.folder) if s.get("phase") not in (None, "done")}
+        found = [s for s in progress.read(self.folder) if isinstance(s, dict) and "who" in s]
+        server_round = next((s.get("round") for s in found if s["who"] == "server"), None)
+        states = {s["who"]: s for s in found if s.get("phase") not in (None, "done")
+                  and not (server_round is not None and s.get("round") is not None and s["round"] < server_round)}
         for who in [w for w in self.rows if w not in states]:
             self.bars.remove_task(self.rows.pop(who))
         for who, state in sorted(states.items()):
@@ -352,29 +359,46 @@ def compare(
     print(f"comparison: {path}")
 
 
+def default_eval_output(cfg: RunConfig, adapter: Path | None, round_: int | None, kind: str, split: str) -> Path:
+    """Where ``fedspear eval`` writes without ``-o``: ``<run dir>/eval/<kind>-round_NNNN-<task>-<split>.json`` for an
+    adapter of a run (outside ``adapters/``, which a redone round replaces), else ``./<kind>-<adapter or model
+    name>-<task>-<split>.json``."""
+    if adapter is not None and round_ is not None and (adapter.parent.parent / "config.toml").is_file():
+        return adapter.parent.parent / "eval" / f"{kind}-round_{round_:04d}-{cfg.task}-{split}.json"
+    name = adapter.name if adapter is not None else Path(cfg.model).name
+    return Path(f"{kind}-{name}-{cfg.task}-{split}.json")
+
+
+def _write_json(path: Path, value: dict) -> None:
+    import json
+
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(value, indent=1) + "\n", encoding="utf-8")
+    except OSError as err:
+        _fail(f"{path}: cannot write the result ({err.strerror or err}); give another -o")
+
+
 def _eval_lm_eval(cfg: RunConfig, adapter: Path | None, round_: int | None, target: Path | None,
                   split: str | None, limit: int | None, output: Path | None) -> None:
     """``fedspear eval --harness lm-eval``: lm-eval's own task config on the shipped data (``fedspear.harness``)."""
     import json
 
     from .evaluation import wilson_interval
-    from .harness import TASKS, HarnessError, evaluate_lm_eval
+    from .harness import evaluate_lm_eval, harness_split
     from .model import TINY_MODEL, resolve_model_dir
 
-    if cfg.task not in TASKS:
-        raise HarnessError(f"--harness lm-eval scores {', '.join(TASKS)}; {cfg.task} has no lm-eval task here")
-    if split is not None and split != TASKS[cfg.task][1]:
-        raise ConfigError(f"--harness lm-eval scores {cfg.task}'s {TASKS[cfg.task][1]} split only")
+    expected = harness_split(cfg.task)
+    if split is not None and split != expected:
+        raise ConfigError(f"--harness lm-eval scores {cfg.task}'s {expected} split only")
     if cfg.model == TINY_MODEL:
         raise ConfigError("--harness lm-eval loads a model folder; tiny-random exists only in memory")
     result = evaluate_lm_eval(resolve_model_dir(cfg.model), cfg.task, adapter, data_dir=cfg.data_dir, limit=limit,
                               batch_size=cfg.eval_batch_size)
     import lm_eval
 
-    split = TASKS[cfg.task][1]
-    if output is None:
-        name = f"lm-eval-{cfg.task}-{split}.json"
-        output = adapter / name if adapter is not None else Path(f"lm-eval-{Path(cfg.model).name}-{cfg.task}-{split}.json")
+    split = expected
+    output = output or default_eval_output(cfg, adapter, round_, "lm-eval", split)
     n = result["n"]
     for key in ("acc", "acc_norm"):
         result[f"{key}_low"], result[f"{key}_high"] = wilson_interval(round(result[key] * n), n)
@@ -383,8 +407,7 @@ def _eval_lm_eval(cfg: RunConfig, adapter: Path | None, round_: int | None, targ
               "lm_eval_version": getattr(lm_eval, "__version__", None), "target": str(target) if target else None,
               "adapter": str(adapter) if adapter is not None else None, "round": round_, "model": cfg.model,
               "dtype": "fp32", "task": cfg.task, "split": split, "limit": limit, "metrics": result, "items": items}
-    output.parent.mkdir(parents=True, exist_ok=True)
-    output.write_text(json.dumps(record, indent=1) + "\n", encoding="utf-8")
+    _write_json(output, record)
     what = str(adapter) if adapter is not None else f"base model {cfg.model}"
     print(f"{cfg.task} {split} by lm-eval ({what}, fp32): " + ", ".join(
         f"{key} {result[key]:.3f} [{result[key + '_low']:.3f}, {result[key + '_high']:.3f}]"
@@ -424,24 +447,34 @@ def eval_target(target: Path | None, round_: int | None, config: Path | None, ov
         adapter, run = target, RunDir(target.parent.parent)
         name = target.name
         round_ = int(name.removeprefix("round_")) if name.startswith("round_") and name[6:].isdigit() else None
-        if not run.config_path.is_file():  # a bare adapter: the user's settings, r and α from the adapter itself
+        if not run.config_path.is_file():  # a bare adapter: r, α, layers and base model from its own config
             try:
                 peft = json.loads((target / "adapter_config.json").read_text(encoding="utf-8"))
             except (OSError, ValueError):
                 peft = {}
             shape = {"lora_r": peft.get("r"), "lora_alpha": peft.get("lora_alpha")}
+            if isinstance(peft.get("layers_to_transform"), list):
+                shape["last_layers"] = len(peft["layers_to_transform"])
+            base = peft.get("base_model_name_or_path")
+            if "model" not in overrides and config is None:
+                if not base or not Path(base).is_dir():
+                    raise ConfigError(f"{target}: a bare adapter needs --model (its adapter_config.json names "
+                                      f"{base!r} as base model, not a folder on this machine)")
+                shape["model"] = base
             return load_config(config, **{**shape, **overrides}), adapter, round_
     else:
         run = RunDir(target)
         if not run.config_path.is_file():
             raise ConfigError(f"{target}: neither a run directory (config.toml) nor an adapter folder "
                               "(adapter_model.safetensors)")
-        saved = sorted(int(p.name[6:]) for p in (target / "adapters").glob("round_[0-9]*")
-                       if (p / "adapter_model.safetensors").is_file())
+        saved = run.saved_rounds()
         if not saved:
             raise RunDirError(f"{target}: no saved adapter (adapters/round_NNNN) to evaluate")
-        if round_ is None:
-            round_ = saved[-1]
+        if round_ is None:  # the last completed round (an adapter saved after it belongs to a round to be redone)
+            round_ = run.last_round()
+            if round_ not in saved:
+                raise RunDirError(f"{target}: no completed round with a saved adapter (metrics.jsonl ends at round "
+                                  f"{round_}; saved adapters: {saved[0]}…{saved[-1]}); use --round")
         elif round_ not in saved:
             raise RunDirError(f"{target}: no adapter saved for round {round_} (saved: {saved[0]}…{saved[-1]})")
         adapter = run.adapter_dir(round_)
@@ -500,6 +533,11 @@ def eval_(
             raise ConfigError(f"--harness {harness!r}: choose fedspear or lm-eval")
         if limit is not None and harness != "lm-eval":
             raise ConfigError("--limit applies to --harness lm-eval (fedspear's subset is --eval-size)")
+        ignored = [flag for flag, value in (("--eval-size", eval_size), ("--eval-gen-size", eval_gen_size),
+                                            ("--dtype", dtype)) if value is not None]
+        if harness == "lm-eval" and ignored:
+            raise ConfigError(f"{', '.join(ignored)}: not used by --harness lm-eval (fp32; --limit N scores the "
+                              "first N documents)")
         if harness == "lm-eval":
             return _eval_lm_eval(cfg, adapter, round_, target, split, limit, output)
         arrays = load_adapter_folder(adapter) if adapter is not None else None
@@ -512,17 +550,14 @@ def eval_(
         for kind in ("gen", "ll"):
             if f"answer_{kind}" in item:
                 item[f"correct_{kind}"] = item[f"answer_{kind}"] == item["gold"]
-    if output is None:
-        name = f"eval-{cfg.task}-{evaluator.split}.json"
-        output = adapter / name if adapter is not None else Path(f"eval-{Path(cfg.model).name}-{cfg.task}-{evaluator.split}.json")
+    output = output or default_eval_output(cfg, adapter, round_, "eval", evaluator.split)
     result = {"command": "fedspear " + " ".join(sys.argv[1:]), "target": str(target) if target else None,
               "adapter": str(adapter) if adapter is not None else None, "round": round_, "model": cfg.model,
               "dtype": evaluator.dtype_used, "task": cfg.task, "split": evaluator.split,
               "settings": {k: getattr(cfg, k) for k in ("eval_size", "eval_gen_size", "eval_generation",
                                                         "eval_batch_size", "max_new_tokens", "data_source")},
               "skipped_records": len(evaluator.skipped), "metrics": metrics, "items": answers}
-    output.parent.mkdir(parents=True, exist_ok=True)
-    output.write_text(json.dumps(result, indent=1) + "\n", encoding="utf-8")
+    _write_json(output, result)
     what = f"round {round_} of {target}" if round_ is not None and adapter is not None and target != adapter else (
         str(adapter) if adapter is not None else f"base model {cfg.model}")
     print(f"{cfg.task} {evaluator.split}, {what} ({evaluator.dtype_used}): {accuracy_text(metrics)}")

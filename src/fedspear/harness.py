@@ -36,6 +36,17 @@ class HarnessError(ValueError):
     """lm-eval is missing or cannot score this task (message says which and what to do)."""
 
 
+def harness_split(task: str) -> str:
+    """The split lm-eval's config for ``task`` scores.
+
+    Raises:
+        HarnessError: ``task`` has no lm-eval counterpart here.
+    """
+    if task not in TASKS:
+        raise HarnessError(f"--harness lm-eval scores {', '.join(TASKS)}; {task} has no lm-eval task here")
+    return TASKS[task][1]
+
+
 def task_config(task: str, data_dir: str | None = None) -> dict[str, Any]:
     """lm-eval's own config for ``task`` (the ``!function`` hooks resolved), reading fedspear's JSONL offline.
 
@@ -47,8 +58,7 @@ def task_config(task: str, data_dir: str | None = None) -> dict[str, Any]:
         from lm_eval.tasks._yaml_loader import load_yaml
     except ImportError:
         raise HarnessError("--harness lm-eval needs lm-evaluation-harness: pip install 'fedspear[harness]'") from None
-    if task not in TASKS:
-        raise HarnessError(f"--harness lm-eval scores {', '.join(TASKS)}; {task} has no lm-eval task here")
+    harness_split(task)
     from .tasks.common import PACKAGE_DATA_DIR
 
     yaml_file, split, ours = TASKS[task]

@@ -1,12 +1,15 @@
 """Progress inside a round: which phase, for which client, how far, so a terminal can show it (no ``flwr`` import).
 
-The long loops report here: ``interaction.generate`` per decode step, ``training.optimise`` per optimiser step,
-``evaluation`` per batch. Each runs inside a named phase (``initial answers``, ``revision 1``, ``training``,
-``aggregation``, ``evaluation``)::
+The long loops report here: ``interaction.generate`` per decode step, ``training.optimise`` per micro-step,
+``evaluation`` per log-likelihood batch. Each runs inside a named phase: on a client ``initial answers``,
+``revision n`` (SPEAR) or ``revisions`` (baselines), ``training``; on the server ``waiting for clients``,
+``aggregation``, ``evaluation: generation``, ``evaluation: log-likelihood``::
 
-    with progress.phase("training", total=local_steps, unit="steps"):
+    with progress.phase("training", total=local_steps * grad_accum, unit="micro-steps"):
         for ...:
             progress.advance()
+
+A phase opened inside another returns to it when it ends; a top-level phase returns to none (the row is hidden).
 
 By default nothing is recorded (one ``None`` check per call). ``fedspear.fl.simulation`` sets ``FEDSPEAR_PROGRESS_DIR``
 to ``<run dir>/progress`` before Ray starts, so the simulated clients (in the Ray actor) and the ServerApp (in the
@@ -50,7 +53,10 @@ class Reporter:
             tmp.write_text(json.dumps(self.state), encoding="utf-8")
             os.replace(tmp, self.path)
         except OSError:  # progress is a courtesy: a full disk or a removed run directory must not end a round
-            pass
+            try:
+                tmp.unlink(missing_ok=True)
+            except OSError:
+                pass
 
 
 _reporter: Reporter | None = None
@@ -100,8 +106,7 @@ def phase(name: str, total: int = 0, unit: str = "") -> Iterator[None]:
     finally:
         rep.state["done"] = max(rep.state["done"], rep.state["total"])
         rep.write(force=True)
-        if saved["phase"] is not None:  # back to the enclosing phase
-            rep.state.update(saved)
+        rep.state.update(saved)  # back to the enclosing phase, or to none
 
 
 def expect(units: int, unit: str | None = None) -> None:

@@ -186,6 +186,13 @@ class RunDir:
     def adapter_dir(self, server_round: int) -> Path:
         return self.path / "adapters" / f"round_{server_round:04d}"
 
+    def saved_rounds(self) -> list[int]:
+        """Rounds whose adapter folder is complete (``adapters/round_NNNN/adapter_model.safetensors``), ascending;
+        a ``round_NNNN.tmp`` left by a crash mid-write is not one."""
+        folders = (self.path / "adapters").glob("round_*")
+        return sorted(int(f.name[6:]) for f in folders
+                      if f.name[6:].isdigit() and (f / "adapter_model.safetensors").is_file())
+
     def save_adapter(self, server_round: int, arrays: dict[str, np.ndarray], peft_config: dict | None,
                      server_state: dict[str, np.ndarray] | None = None,
                      json_state: dict[str, Any] | None = None) -> Path:

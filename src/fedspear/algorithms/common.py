@@ -11,6 +11,7 @@ from typing import Sequence
 
 import torch
 
+from .. import progress
 from ..interaction import Trace, generate, new_counters, render
 from ..tasks.base import Example
 from ..training import TrainSettings, completion_logprobs, optimise, pack
@@ -27,8 +28,9 @@ def sample(worker, contexts: Sequence[list[int]], counters: dict, phase: str) ->
     """
     cfg = worker.cfg
     t = time.perf_counter()
-    ids = generate(worker.model, worker.tokenizer, contexts, max_new_tokens=cfg.max_new_tokens,
-                   dtype_used=worker.dtype_used, temperature=cfg.temperature, top_p=cfg.top_p)
+    with progress.phase("initial answers" if phase == "initial" else "revisions"):
+        ids = generate(worker.model, worker.tokenizer, contexts, max_new_tokens=cfg.max_new_tokens,
+                       dtype_used=worker.dtype_used, temperature=cfg.temperature, top_p=cfg.top_p)
     counters[f"seconds_generate_{phase}"] += time.perf_counter() - t
     counters["generations"] += len(ids)
     counters["tokens_generated"] += sum(len(x) for x in ids)

@@ -293,116 +293,120 @@ def run_server(grid: Grid, cfg: RunConfig, on_round: Callable[[dict], None] | No
         if on_round:
             on_round(record)
 
-    evaluator = Evaluator(cfg)
-    if records:
-        last = records[-1]["round"]
-        arrays = in_model_order(run.load_adapter(last), evaluator.initial_adapter(), run.adapter_dir(last))
-        wall = records[-1].get("wall_clock", 0.0)
-        log.info("resuming %s after round %d", cfg.output_dir, last)
-    else:
-        last, arrays = 0, evaluator.initial_adapter()
-        t0 = time.perf_counter()
-        progress.start("server", 0)
-        metrics = reused_round0(cfg, arrays) or evaluator(arrays)
-        progress.finish()
-        wall = time.perf_counter() - t0
-        run.save_adapter(0, arrays, evaluator.peft_config())
-        record = {"round": 0, "eval": metrics, "seconds": {"evaluate": metrics["seconds_evaluate"]},
-                  "wall_clock": wall, "dtype": evaluator.dtype_used, "skipped_eval_records": len(evaluator.skipped),
-                  "peak_rss_mb": {"server": peak_rss_mb()}}
-        run.append(record)
-        records.append(record)
-        emit(record)
+    try:
+        evaluator = Evaluator(cfg)
+        if records:
+            last = records[-1]["round"]
+            arrays = in_model_order(run.load_adapter(last), evaluator.initial_adapter(), run.adapter_dir(last))
+            wall = records[-1].get("wall_clock", 0.0)
+            log.info("resuming %s after round %d", cfg.output_dir, last)
+        else:
+            last, arrays = 0, evaluator.initial_adapter()
+            t0 = time.perf_counter()
+            progress.start("server", 0)
+            metrics = reused_round0(cfg, arrays) or evaluator(arrays)
+            progress.finish()
+            wall = time.perf_counter() - t0
+            run.save_adapter(0, arrays, evaluator.peft_config())
+            record = {"round": 0, "eval": metrics, "seconds": {"evaluate": metrics["seconds_evaluate"]},
+                      "wall_clock": wall, "dtype": evaluator.dtype_used, "skipped_eval_records": len(evaluator.skipped),
+                      "peak_rss_mb": {"server": peak_rss_mb()}}
+            run.append(record)
+            records.append(record)
+            emit(record)
 
-    saved_state = run.load_server_state(last) if last else None
-    if saved_state:
-        strategy.opt_state = arrays_to_state(saved_state)
-    if private is not None:
-        if last:
-            _resume_ledger(private, run, last, records[-1])
-        _count_unrecorded_release(private, run, last)
-    strategy.partition_of = discover_partitions(grid, cfg.num_clients)
-    payload = json.dumps(cfg.to_dict())
-    streak = 0  # consecutive empty rounds before this one (tolerated ones are recorded with empty: true)
-    for r in reversed(records):
-        if r["round"] == 0 or not r.get("empty"):
-            break
-        streak += 1
-    for server_round in range(last + 1, cfg.rounds + 1):
-        t_round = time.perf_counter()
-        progress.start("server", server_round)
-        lr = lr_at_round(server_round, cfg.rounds, cfg.lr, cfg.lr_min, cfg.warmup_ratio)
-        layout = layout_of(arrays)
-        config = ConfigRecord({"lr": lr, "fedspear-config": payload, **({LAYOUT_KEY: layout} if layout else {})})
-        driver = private or strategy  # under DP, Flower's wrapper around the strategy
-        messages = list(driver.configure_train(server_round, to_record(arrays), config, grid))
-        t_send = time.perf_counter()
-        with progress.phase("waiting for clients"):
-            replies = list(grid.send_and_receive(messages, timeout=cfg.round_timeout))
-        t_recv = time.perf_counter()
-        silent = {m.metadata.dst_node_id for m in messages} - {r.metadata.src_node_id for r in replies}
-        for node in sorted(silent):
-            log.warning("round %d: node %d sent no reply within %g s (timed out or disconnected); dropped",
-                        server_round, node, cfg.round_timeout)
-        with progress.phase("aggregation"):
-            if private is not None:
-                new_arrays, rejected, dropped = private.aggregate_train(server_round, replies)
-            else:
-                new_record, _ = strategy.aggregate_train(server_round, replies)
-                new_arrays = from_record(new_record, layout) if new_record is not None else None
-                rejected, dropped = strategy.rejected, strategy.dropped
-        aggregated = strategy.last_aggregated
-        if new_arrays is not None:
-            arrays = new_arrays
-        t_agg = time.perf_counter()
-        record = _round_record(server_round, lr, replies, aggregated, rejected, strategy.update_norms)
+        saved_state = run.load_server_state(last) if last else None
+        if saved_state:
+            strategy.opt_state = arrays_to_state(saved_state)
         if private is not None:
-            record.update(private.ledger.record())
-        record["clients"] += [{"node_id": n, "error": f"no reply within {cfg.round_timeout:g} s"} for n in sorted(silent)]
-        record["clients_failed"] += len(silent)
-        if record["clients_ok"] == 0:
+            if last:
+                _resume_ledger(private, run, last, records[-1])
+            _count_unrecorded_release(private, run, last)
+        strategy.partition_of = discover_partitions(grid, cfg.num_clients)
+        payload = json.dumps(cfg.to_dict())
+        streak = 0  # consecutive empty rounds before this one (tolerated ones are recorded with empty: true)
+        for r in reversed(records):
+            if r["round"] == 0 or not r.get("empty"):
+                break
             streak += 1
-            reasons = [f"partition {strategy.partition_of.get(c['node_id'], '?')} (node {c['node_id']}): {c['error']}"
-                       for c in record["clients"]]
-            error = empty_round_error(server_round, reasons, bool(silent or dropped), streak, cfg)
-            if error is None and server_round == cfg.rounds and streak == server_round:
-                error = EmptyRoundError(f"round {server_round}: no round of this run accepted a client reply; "
-                                        f"a run that never updated its adapter is not a result. Clients: "
-                                        f"{'; '.join(reasons)}")
-            if error is not None:
-                log.error("%s", error)
-                raise error
-            log.warning("round %d: no reply accepted; tolerated (%d of max_empty_rounds = %d in a row)",
-                        server_round, streak, cfg.max_empty_rounds)
-            record["empty"] = True
-        else:
-            streak = 0
-        client_seconds = sum(c.get("seconds_generate_initial", 0) + c.get("seconds_generate_revisions", 0)
-                             + c.get("seconds_train", 0) for c in record["clients"] if "error" not in c)
-        record["seconds"]["aggregate"] = t_agg - t_recv
-        record["seconds"]["clients_total"] = client_seconds
-        record["seconds"]["flower_overhead"] = max(0.0, (t_recv - t_send) - client_seconds)
-        if server_round % cfg.eval_every == 0 or server_round == cfg.rounds:
-            record["eval"] = evaluator(arrays)
-            record["seconds"]["evaluate"] = record["eval"]["seconds_evaluate"]
-        else:
-            record["eval"] = None
-            record["seconds"]["evaluate"] = 0.0
-        record["seconds"]["round"] = time.perf_counter() - t_round
-        wall += record["seconds"]["round"]
-        record["wall_clock"] = wall
-        record["peak_rss_mb"]["server"] = peak_rss_mb()
-        state = state_to_arrays(strategy.opt_state) if strategy.server_opt else None
-        json_state = {STATE_FILE: private.ledger.state_dict()} if private is not None else None
-        run.save_adapter(server_round, arrays, evaluator.peft_config(), server_state=state, json_state=json_state)
-        run.append(record)
-        records.append(record)
+        for server_round in range(last + 1, cfg.rounds + 1):
+            t_round = time.perf_counter()
+            progress.start("server", server_round)
+            lr = lr_at_round(server_round, cfg.rounds, cfg.lr, cfg.lr_min, cfg.warmup_ratio)
+            layout = layout_of(arrays)
+            config = ConfigRecord({"lr": lr, "fedspear-config": payload, **({LAYOUT_KEY: layout} if layout else {})})
+            driver = private or strategy  # under DP, Flower's wrapper around the strategy
+            messages = list(driver.configure_train(server_round, to_record(arrays), config, grid))
+            t_send = time.perf_counter()
+            with progress.phase("waiting for clients"):
+                replies = list(grid.send_and_receive(messages, timeout=cfg.round_timeout))
+            t_recv = time.perf_counter()
+            silent = {m.metadata.dst_node_id for m in messages} - {r.metadata.src_node_id for r in replies}
+            for node in sorted(silent):
+                log.warning("round %d: node %d sent no reply within %g s (timed out or disconnected); dropped",
+                            server_round, node, cfg.round_timeout)
+            with progress.phase("aggregation"):
+                if private is not None:
+                    new_arrays, rejected, dropped = private.aggregate_train(server_round, replies)
+                else:
+                    new_record, _ = strategy.aggregate_train(server_round, replies)
+                    new_arrays = from_record(new_record, layout) if new_record is not None else None
+                    rejected, dropped = strategy.rejected, strategy.dropped
+            aggregated = strategy.last_aggregated
+            if new_arrays is not None:
+                arrays = new_arrays
+            t_agg = time.perf_counter()
+            record = _round_record(server_round, lr, replies, aggregated, rejected, strategy.update_norms)
+            if private is not None:
+                record.update(private.ledger.record())
+            record["clients"] += [{"node_id": n, "error": f"no reply within {cfg.round_timeout:g} s"}
+                                  for n in sorted(silent)]
+            record["clients_failed"] += len(silent)
+            if record["clients_ok"] == 0:
+                streak += 1
+                reasons = [f"partition {strategy.partition_of.get(c['node_id'], '?')} (node {c['node_id']}): "
+                           f"{c['error']}" for c in record["clients"]]
+                error = empty_round_error(server_round, reasons, bool(silent or dropped), streak, cfg)
+                if error is None and server_round == cfg.rounds and streak == server_round:
+                    error = EmptyRoundError(f"round {server_round}: no round of this run accepted a client reply; "
+                                            f"a run that never updated its adapter is not a result. Clients: "
+                                            f"{'; '.join(reasons)}")
+                if error is not None:
+                    log.error("%s", error)
+                    raise error
+                log.warning("round %d: no reply accepted; tolerated (%d of max_empty_rounds = %d in a row)",
+                            server_round, streak, cfg.max_empty_rounds)
+                record["empty"] = True
+            else:
+                streak = 0
+            client_seconds = sum(c.get("seconds_generate_initial", 0) + c.get("seconds_generate_revisions", 0)
+                                 + c.get("seconds_train", 0) for c in record["clients"] if "error" not in c)
+            record["seconds"]["aggregate"] = t_agg - t_recv
+            record["seconds"]["clients_total"] = client_seconds
+            record["seconds"]["flower_overhead"] = max(0.0, (t_recv - t_send) - client_seconds)
+            if server_round % cfg.eval_every == 0 or server_round == cfg.rounds:
+                record["eval"] = evaluator(arrays)
+                record["seconds"]["evaluate"] = record["eval"]["seconds_evaluate"]
+            else:
+                record["eval"] = None
+                record["seconds"]["evaluate"] = 0.0
+            record["seconds"]["round"] = time.perf_counter() - t_round
+            wall += record["seconds"]["round"]
+            record["wall_clock"] = wall
+            record["peak_rss_mb"]["server"] = peak_rss_mb()
+            state = state_to_arrays(strategy.opt_state) if strategy.server_opt else None
+            json_state = {STATE_FILE: private.ledger.state_dict()} if private is not None else None
+            run.save_adapter(server_round, arrays, evaluator.peft_config(), server_state=state, json_state=json_state)
+            run.append(record)
+            records.append(record)
+            progress.finish()
+            emit(record)
+        write_report(run.path, records, cfg, dtype=evaluator.dtype_used)
+        return records
+    finally:  # an empty round, a failed evaluation or Ctrl-C: the event file is closed, the progress row cleared
         progress.finish()
-        emit(record)
-    write_report(run.path, records, cfg, dtype=evaluator.dtype_used)
-    if board is not None:
-        board.close()
-    return records
+        if board is not None:
+            board.close()
 
 
 # ---- `flwr run .` entry point -----------------------------------------------------------------------------------

@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Callable
 
 from fedspear.config import RunConfig
+from fedspear import progress
 from fedspear.progress import ENV as PROGRESS_ENV
 
 
@@ -86,6 +87,7 @@ def simulate(cfg: RunConfig, on_round: Callable[[dict], None] | None = None, ver
                        backend_config=backend_config, verbose_logging=verbose)
     finally:  # later work in this process (another run, a benchmark) records no progress into this run's folder
         os.environ.pop(PROGRESS_ENV, None)
+        progress.stop()
     if "error" in outcome:
         raise outcome["error"]  # type: ignore[misc]
     if "records" not in outcome:

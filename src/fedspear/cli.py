@@ -56,6 +56,8 @@ def preflight(cfg: RunConfig) -> None:
     Raises:
         DataError / ModelError / ValueError: with a message naming the file or model.
     """
+    import importlib.util
+
     from .client import load_split
     from .model import TINY_MODEL, resolve_model_dir
     from .rundir import RunDir
@@ -80,16 +82,14 @@ def preflight(cfg: RunConfig) -> None:
     if cfg.model != TINY_MODEL:
         resolve_model_dir(cfg.model)
     if cfg.dp != "off" and cfg.dp_noise_multiplier > 0:  # z = 0 composes nothing: no accountant needed
-        import importlib.util
-
         if importlib.util.find_spec("dp_accounting") is None:
             raise ConfigError(f'dp = "{cfg.dp}" reports ε with Flower\'s privacy accountant, which needs '
                               f'dp-accounting: pip install "flwr[dp]"')
     if cfg.tensorboard:
-        import importlib.util
+        from .tensorboard import INSTALL_HINT
 
         if importlib.util.find_spec("tensorboard") is None:
-            raise ConfigError("tensorboard = true needs TensorBoard: pip install 'fedspear[tensorboard]'")
+            raise ConfigError(INSTALL_HINT)
     run = RunDir(cfg.output_dir)
     run.check_or_write_config(cfg.resolved())
     run.verify()
@@ -268,6 +268,7 @@ def compare(
     verbose: bool = typer.Option(False, "--verbose", "-v", help="Flower and Ray logs into each cell's log.txt"),
 ) -> None:
     """Run a grid of runs (algorithms × seeds × settings) and write comparison.md and plots; resumable."""
+    import contextlib
     import dataclasses
     import datetime
 
@@ -313,7 +314,7 @@ def compare(
         t0 = time.perf_counter()
         bars = Progress(TextColumn("{task.description}"), BarColumn(), TextColumn("{task.fields[count]}"),
                         TimeElapsedColumn(), console=console, transient=True)
-        watching: list[PhaseWatcher] = []  # the running cell's phases, drawn under the log lines
+        watching = contextlib.ExitStack()  # the running cell's phases, drawn under the log lines
 
         def on_event(kind, cell, seconds):
             if kind == "start":
@@ -323,10 +324,9 @@ def compare(
                 bars.console.print(f"[{counter['i']}/{len(cells)}] {cell.name}: already finished, skipped")
             elif kind == "start":
                 bars.console.print(f"[{counter['i']}/{len(cells)}] {cell.name}: running (log {cell.path / 'log.txt'})")
-                watching.append(PhaseWatcher(bars, cell.path / "progress").__enter__())
+                watching.enter_context(PhaseWatcher(bars, cell.path / "progress"))
             else:
-                while watching:
-                    watching.pop().__exit__(None, None, None)
+                watching.close()
                 bars.console.print(f"[{counter['i']}/{len(cells)}] {cell.name}: done in {seconds:.0f} s "
                                    f"(elapsed {time.perf_counter() - t0:.0f} s)")
 
@@ -335,12 +335,8 @@ def compare(
             started_file.write_text(datetime.datetime.now().strftime("%Y-%m-%d %H:%M") + "\n")
             (output / "command.txt").write_text(command + "\n")
         try:
-            with bars:
-                try:
-                    run_grid(grid, output, on_event=on_event, verbose=verbose)
-                finally:
-                    while watching:
-                        watching.pop().__exit__(None, None, None)
+            with bars, watching:
+                run_grid(grid, output, on_event=on_event, verbose=verbose)
         except ConfigError as err:
             _fail(str(err))
         except RuntimeError as err:
@@ -382,8 +378,6 @@ def _write_json(path: Path, value: dict) -> None:
 def _eval_lm_eval(cfg: RunConfig, adapter: Path | None, round_: int | None, target: Path | None,
                   split: str | None, limit: int | None, output: Path | None) -> None:
     """``fedspear eval --harness lm-eval``: lm-eval's own task config on the shipped data (``fedspear.harness``)."""
-    import json
-
     from .evaluation import wilson_interval
     from .harness import evaluate_lm_eval, harness_split
     from .model import TINY_MODEL, resolve_model_dir
@@ -422,9 +416,9 @@ ADAPTER_KEYS = ("model", "lora_r", "lora_alpha", "last_layers")
 def eval_target(target: Path | None, round_: int | None, config: Path | None, overrides: dict):
     """What ``fedspear eval`` scores: ``(cfg, adapter folder or None, round or None)``.
 
-    ``target`` is a run directory (its last saved round, or ``round_``), an adapter folder (``…/adapters/round_NNNN``;
+    ``target`` is a run directory (the last round metrics.jsonl completed, or ``round_``), an adapter folder (``…/adapters/round_NNNN``;
     settings from its run's ``config.toml`` two levels up when there is one, else from ``config``, the overrides and
-    the adapter's own ``adapter_config.json`` for r and α), or None (the base model, settings from ``config`` and the
+    the adapter's own ``adapter_config.json`` for r, α, layers and base model), or None (the base model, settings from ``config`` and the
     overrides). A run's own settings (model, LoRA shape, held-out subset, token budget) are used unless overridden.
 
     Raises:
@@ -503,16 +497,14 @@ def eval_(
     eval_size: Optional[int] = typer.Option(None, help="items scored (0 = the whole split; default: the run's)"),
     eval_gen_size: Optional[int] = typer.Option(None, help="of those, items also answered by generation (0 = all)"),
     set_: list[str] = typer.Option([], "--set", help="any other run key: --set max_new_tokens=512"),
-    output: Optional[Path] = typer.Option(None, "--output", "-o", help="JSON file to write (default: beside the "
-                                          "adapter, or ./eval-<model>-<task>-<split>.json for the base model)"),
+    output: Optional[Path] = typer.Option(None, "--output", "-o", help="JSON file to write (default: <run dir>/eval/ "
+                                          "for a run's adapter, else ./eval-<adapter or model>-<task>-<split>.json)"),
     harness: str = typer.Option("fedspear", help="fedspear (SPEC §6) | lm-eval (lm-evaluation-harness's own "
                                 "arc_challenge / hellaswag configs on the shipped data, offline; extra [harness])"),
     limit: Optional[int] = typer.Option(None, help="lm-eval: score only the first N documents of the split", min=1),
 ) -> None:
     """Evaluate the base model, a saved adapter or a run's final adapter by fedspear's protocol (SPEC §6): the same
     code as a run's own evaluation. Writes JSON with per-item answers; prints accuracy with its 95% interval."""
-    import json
-
     from .evaluation import Evaluator
     from .model import ModelError
     from .rundir import RunDirError, load_adapter_folder
@@ -546,10 +538,6 @@ def eval_(
         metrics = evaluator(arrays if arrays is not None else evaluator.initial_adapter(), answers=answers)
     except (ConfigError, DataError, ModelError, RunDirError, ValueError) as err:
         _fail(str(err))
-    for item in answers:
-        for kind in ("gen", "ll"):
-            if f"answer_{kind}" in item:
-                item[f"correct_{kind}"] = item[f"answer_{kind}"] == item["gold"]
     output = output or default_eval_output(cfg, adapter, round_, "eval", evaluator.split)
     result = {"command": "fedspear " + " ".join(sys.argv[1:]), "target": str(target) if target else None,
               "adapter": str(adapter) if adapter is not None else None, "round": round_, "model": cfg.model,

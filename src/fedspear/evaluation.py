@@ -151,8 +151,8 @@ def evaluate(model, tokenizer, examples: Sequence[Example], task, *, dtype_used:
         of the same items can be compared item by item (``fedspear.compare.paired_gain``).
 
     ``answers``, when a list is given, receives one dict per item in evaluation order: ``uid``, ``gold`` and, for
-    each metric computed on that item, the answer (``answer_gen``: the label read from the greedy answer, None when
-    none could be parsed; ``answer_ll``: the top-scoring label).
+    each metric computed on that item, the answer and its verdict (``answer_gen``: the label read from the greedy
+    answer, None when none could be parsed; ``answer_ll``: the top-scoring label; ``correct_gen`` / ``correct_ll``).
     """
     t0 = time.perf_counter()
     out: dict[str, float | str] = {"n": len(examples)}
@@ -199,9 +199,9 @@ def evaluate(model, tokenizer, examples: Sequence[Example], task, *, dtype_used:
         for i, ex in enumerate(examples):
             item: dict[str, object] = {"uid": ex.uid, "gold": ex.gold}
             if "correct_gen" in out and i < len(labels_gen):
-                item["answer_gen"] = labels_gen[i]
+                item["answer_gen"], item["correct_gen"] = labels_gen[i], out["correct_gen"][i] == "1"
             if "correct_ll" in out:
-                item["answer_ll"] = predictions[i]
+                item["answer_ll"], item["correct_ll"] = predictions[i], out["correct_ll"][i] == "1"
             answers.append(item)
     out["seconds_evaluate"] = time.perf_counter() - t0
     return out

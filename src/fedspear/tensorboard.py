@@ -23,6 +23,7 @@ TAGS = {
     "wall_clock": "time/wall_clock_s",
 }
 EVAL_KEYS = ("acc_gen", "acc_ll", "parsed_gen", "cutoff_gen")
+INSTALL_HINT = "tensorboard = true needs TensorBoard: pip install 'fedspear[tensorboard]'"
 LOSS_TERMS = ("loss", "kl", "clip_fraction")  # and every "loss_<term>" (loss_win, loss_lose, loss_pg, …)
 
 
@@ -58,7 +59,7 @@ class ScalarWriter:
         try:
             from torch.utils.tensorboard import SummaryWriter
         except ImportError:
-            raise ImportError("tensorboard = true needs TensorBoard: pip install 'fedspear[tensorboard]'") from None
+            raise ImportError(INSTALL_HINT) from None
         self.writer = SummaryWriter(log_dir=str(Path(run_dir) / "tensorboard"), purge_step=first_round)
 
     def write(self, record: dict[str, Any]) -> None:

@@ -9,7 +9,8 @@ base model) and at its last round, on the run's task and evaluation split, by
 - ``fedspear eval --harness lm-eval`` (lm-eval's own task config: each option's text scored as a continuation,
   ``acc`` and ``acc_norm``),
 
-on the whole split (or its first N documents with ``--limit``; fedspear then scores the same N, in file order). The
+on the whole split or its first N documents with ``--limit`` (both protocols the same N, in file order), in the
+precision ``auto`` picks on the machine for both. The
 JSON of every evaluation goes to ``OUT/<run name>/``; ``OUT/agreement.md`` / ``agreement.json`` tabulate accuracy
 at round 0 and at the end per protocol, the change (item-paired 95% interval), whether the protocols move in the
 same direction, and how often they agree item by item. Evaluations already present in ``OUT`` are reused.
@@ -32,17 +33,17 @@ FEDSPEAR = str(Path(sys.executable).with_name("fedspear"))
 
 
 def _evaluate(out: Path, run: Path, round_: int, harness: str, limit: int | None, n_items: int) -> dict:
+    """One evaluation's JSON (``fedspear eval`` run unless ``out`` exists)."""
     if not out.is_file():
-        cmd = [FEDSPEAR, "eval", str(run), "--round", str(round_), "-o", str(out)]
-        if harness == "lm-eval":
-            cmd += ["--harness", "lm-eval"] + (["--limit", str(limit)] if limit else [])
-        else:  # the whole split (or the first N in file order): every item by log-likelihood and by generation
+        cmd = [FEDSPEAR, "eval", str(run), "--round", str(round_), "-o", str(out), "--harness", harness]
+        cmd += ["--limit", str(limit)] if limit else []
+        if harness == "fedspear":  # every item (of the first N) by log-likelihood and by generation
             cmd += ["--eval-size", "0", "--eval-gen-size", "0"]
         print("+", " ".join(cmd), flush=True)
         subprocess.run(cmd, check=True)
     result = json.loads(out.read_text())
-    if harness == "fedspear" and limit:  # fedspear scored the whole split: keep the first N documents
-        result["items"] = result["items"][:n_items]
+    if len(result["items"]) != n_items:
+        raise SystemExit(f"{out}: {len(result['items'])} items, expected {n_items}; delete it to score again")
     return result
 
 

@@ -119,6 +119,16 @@ def test_base_model_and_overrides(run_dir, tmp_path):
     saved = json.loads(out.read_text())
     assert saved["split"] == "train" and saved["metrics"]["n"] == 5 and "n_gen" not in saved["metrics"]
     assert [i["uid"] for i in saved["items"]] == [ex.uid for ex in eval_items(arc_challenge.load("train"), 5, 0)]
+    # --limit N (lm-eval's meaning): the split's first N records in file order; the run's eval_size (6) then keeps
+    # all 5 and --eval-gen-size picks the generation items among them
+    out = tmp_path / "limit.json"
+    result = _eval(path, "--limit", "5", "--eval-gen-size", "2", "-o", out)
+    assert result.exit_code == 0, result.output
+    saved = json.loads(out.read_text())
+    first5 = arc_challenge.load("test")[:5]
+    assert saved["limit"] == 5 and saved["metrics"]["n"] == 5 and saved["metrics"]["n_gen"] == 2
+    assert [i["uid"] for i in saved["items"]] == [ex.uid for ex in eval_items(first5, 6, 2)]
+    assert sorted(i["uid"] for i in saved["items"]) == sorted(ex.uid for ex in first5)
 
 
 @pytest.mark.parametrize(
@@ -170,9 +180,10 @@ def test_bare_adapter_takes_r_and_alpha_from_its_config(run_dir, tmp_path):
     (["--harness", "lm-eval", "--model", "tiny-random"], "tiny-random exists only in memory"),
     (["--harness", "lm-eval", "--task", "strategy_qa"], "strategy_qa has no lm-eval task here"),
     (["--harness", "lm-eval", "--split", "train"], "scores arc_challenge's test split only"),
-    (["--limit", "5"], "--limit applies to --harness lm-eval"),
     (["--harness", "helm"], "--harness 'helm': choose fedspear or lm-eval"),
-    (["--harness", "lm-eval", "--eval-size", "50", "--dtype", "bf16"], "--eval-size, --dtype: not used by --harness"),
+    (["--harness", "lm-eval", "--eval-size", "50", "--eval-gen-size", "5"],
+     "--eval-size, --eval-gen-size: not used by --harness lm-eval"),
+    (["--limit", "0"], "--limit"),
 ])
 def test_harness_bad_input(args, fragment):
     result = _eval(*args)
@@ -186,7 +197,7 @@ def test_lm_eval_harness_scores_the_shipped_data_offline_with_the_adapter(tmp_pa
     """lm-eval's own task config on the packaged SmolLM2, first 6 documents, no network: the identity adapter scores
     as the base model; a perturbed adapter is what gets scored (its per-item log-likelihood choices differ)."""
     from fedspear.harness import evaluate_lm_eval
-    from fedspear.model import resolve_model_dir
+    from fedspear.model import resolve_dtype, resolve_model_dir
 
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     cfg = load_config(model="smollm2-135m", task=task, output_dir=str(tmp_path / "run"))
@@ -221,5 +232,6 @@ def test_lm_eval_harness_scores_the_shipped_data_offline_with_the_adapter(tmp_pa
     assert all(max(abs(x - y) for x, y in zip(a["logliks"], b["logliks"])) > 0.1
                for a, b in zip(outs["r1"]["items"], base["items"]))
     direct = evaluate_lm_eval(resolve_model_dir("smollm2-135m"), task, tmp_path / "run" / "adapters" / "round_0001",
-                              limit=6, batch_size=cfg.eval_batch_size)  # the batch the CLI uses: the same sums
+                              limit=6, batch_size=cfg.eval_batch_size,  # the batch and precision the CLI uses
+                              dtype=resolve_dtype("auto"))
     assert direct["items"] == outs["r1"]["items"]

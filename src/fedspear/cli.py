@@ -380,15 +380,16 @@ def _eval_lm_eval(cfg: RunConfig, adapter: Path | None, round_: int | None, targ
     """``fedspear eval --harness lm-eval``: lm-eval's own task config on the shipped data (``fedspear.harness``)."""
     from .evaluation import wilson_interval
     from .harness import evaluate_lm_eval, harness_split
-    from .model import TINY_MODEL, resolve_model_dir
+    from .model import TINY_MODEL, resolve_dtype, resolve_model_dir
 
     expected = harness_split(cfg.task)
     if split is not None and split != expected:
         raise ConfigError(f"--harness lm-eval scores {cfg.task}'s {expected} split only")
     if cfg.model == TINY_MODEL:
         raise ConfigError("--harness lm-eval loads a model folder; tiny-random exists only in memory")
+    dtype = resolve_dtype(cfg.dtype)
     result = evaluate_lm_eval(resolve_model_dir(cfg.model), cfg.task, adapter, data_dir=cfg.data_dir, limit=limit,
-                              batch_size=cfg.eval_batch_size)
+                              batch_size=cfg.eval_batch_size, dtype=dtype)
     import lm_eval
 
     split = expected
@@ -400,10 +401,10 @@ def _eval_lm_eval(cfg: RunConfig, adapter: Path | None, round_: int | None, targ
     record = {"command": "fedspear " + " ".join(sys.argv[1:]), "harness": "lm-eval",
               "lm_eval_version": getattr(lm_eval, "__version__", None), "target": str(target) if target else None,
               "adapter": str(adapter) if adapter is not None else None, "round": round_, "model": cfg.model,
-              "dtype": "fp32", "task": cfg.task, "split": split, "limit": limit, "metrics": result, "items": items}
+              "dtype": dtype, "task": cfg.task, "split": split, "limit": limit, "metrics": result, "items": items}
     _write_json(output, record)
     what = str(adapter) if adapter is not None else f"base model {cfg.model}"
-    print(f"{cfg.task} {split} by lm-eval ({what}, fp32): " + ", ".join(
+    print(f"{cfg.task} {split} by lm-eval ({what}, {dtype}): " + ", ".join(
         f"{key} {result[key]:.3f} [{result[key + '_low']:.3f}, {result[key + '_high']:.3f}]"
         for key in ("acc", "acc_norm")) + f" (n={n})")
     print(f"per-item outcomes: {output}")
@@ -501,7 +502,9 @@ def eval_(
                                           "for a run's adapter, else ./eval-<adapter or model>-<task>-<split>.json)"),
     harness: str = typer.Option("fedspear", help="fedspear (SPEC §6) | lm-eval (lm-evaluation-harness's own "
                                 "arc_challenge / hellaswag configs on the shipped data, offline; extra [harness])"),
-    limit: Optional[int] = typer.Option(None, help="lm-eval: score only the first N documents of the split", min=1),
+    limit: Optional[int] = typer.Option(None, help="score only the first N documents of the split, in file order "
+                                        "(both harnesses; fedspear's --eval-size / --eval-gen-size then choose "
+                                        "within them)", min=1),
 ) -> None:
     """Evaluate the base model, a saved adapter or a run's final adapter by fedspear's protocol (SPEC §6): the same
     code as a run's own evaluation. Writes JSON with per-item answers; prints accuracy with its 95% interval."""
@@ -523,17 +526,15 @@ def eval_(
             raise ConfigError(f"--split {split!r}: {cfg.task} has {', '.join(splits)}")
         if harness not in ("fedspear", "lm-eval"):
             raise ConfigError(f"--harness {harness!r}: choose fedspear or lm-eval")
-        if limit is not None and harness != "lm-eval":
-            raise ConfigError("--limit applies to --harness lm-eval (fedspear's subset is --eval-size)")
-        ignored = [flag for flag, value in (("--eval-size", eval_size), ("--eval-gen-size", eval_gen_size),
-                                            ("--dtype", dtype)) if value is not None]
+        ignored = [flag for flag, value in (("--eval-size", eval_size), ("--eval-gen-size", eval_gen_size))
+                   if value is not None]
         if harness == "lm-eval" and ignored:
-            raise ConfigError(f"{', '.join(ignored)}: not used by --harness lm-eval (fp32; --limit N scores the "
-                              "first N documents)")
+            raise ConfigError(f"{', '.join(ignored)}: not used by --harness lm-eval (it scores every document; "
+                              "--limit N scores the first N)")
         if harness == "lm-eval":
             return _eval_lm_eval(cfg, adapter, round_, target, split, limit, output)
         arrays = load_adapter_folder(adapter) if adapter is not None else None
-        evaluator = Evaluator(cfg, split)
+        evaluator = Evaluator(cfg, split, limit=limit)
         answers: list[dict] = []
         metrics = evaluator(arrays if arrays is not None else evaluator.initial_adapter(), answers=answers)
     except (ConfigError, DataError, ModelError, RunDirError, ValueError) as err:
@@ -542,8 +543,8 @@ def eval_(
     result = {"command": "fedspear " + " ".join(sys.argv[1:]), "target": str(target) if target else None,
               "adapter": str(adapter) if adapter is not None else None, "round": round_, "model": cfg.model,
               "dtype": evaluator.dtype_used, "task": cfg.task, "split": evaluator.split,
-              "settings": {k: getattr(cfg, k) for k in ("eval_size", "eval_gen_size", "eval_generation",
-                                                        "eval_batch_size", "max_new_tokens", "data_source")},
+              "limit": limit, "settings": {k: getattr(cfg, k) for k in ("eval_size", "eval_gen_size", "eval_generation",
+                                                                 "eval_batch_size", "max_new_tokens", "data_source")},
               "skipped_records": len(evaluator.skipped), "metrics": metrics, "items": answers}
     _write_json(output, result)
     what = f"round {round_} of {target}" if round_ is not None and adapter is not None and target != adapter else (

@@ -230,11 +230,13 @@ class Evaluator:
     Args:
         cfg: the run's settings (model, dtype, task, data, LoRA shape, ``eval_*`` keys, ``max_new_tokens``).
         split: the split to score (default: the task's ``EVAL_SPLIT``).
+        limit: keep only the split's first ``limit`` records in file order (``fedspear eval --limit``, lm-eval's
+            meaning) before ``eval_items`` chooses the subset; None keeps all.
     Raises:
         ModelError / DataError: the model or the split cannot be loaded (message names which).
     """
 
-    def __init__(self, cfg: "RunConfig", split: str | None = None):
+    def __init__(self, cfg: "RunConfig", split: str | None = None, limit: int | None = None):
         from .client import load_split
         from .model import LoraSettings, add_lora, load_base
         from .tasks import get_task
@@ -246,7 +248,7 @@ class Evaluator:
         self.model = add_lora(base, LoraSettings(cfg.lora_r, cfg.lora_alpha, cfg.lora_dropout, cfg.last_layers),
                               seed=cfg.seed)
         items, self.skipped = load_split(cfg, self.split)
-        self.examples = eval_items(items, cfg.eval_size, cfg.eval_gen_size)
+        self.examples = eval_items(items[:limit] if limit else items, cfg.eval_size, cfg.eval_gen_size)
 
     def initial_adapter(self) -> dict[str, np.ndarray]:
         """The fresh adapter (every ``lora_B`` zero: the base model), name → array."""

@@ -5,7 +5,8 @@ configs (prompt, answer choices, ``acc`` and ``acc_norm``, HellaSwag's ``process
 ``lm_eval/tasks/*/…yaml``, with one change: the documents come from the JSONL files fedspear ships (or ``data_dir``)
 through ``datasets``' ``json`` loader instead of the Hugging Face hub, so it runs offline. The model is lm-eval's
 ``hf`` model on the same local weights fedspear loads (``fedspear.model.resolve_model_dir``) with the adapter as
-``peft=``, in fp32 on the CPU.
+``peft=``, on the CPU, in fp32 or bf16 (``fedspear eval``'s ``--dtype``: ``auto`` is bf16 where the CPU has bf16
+units, the precision fedspear's own protocol then uses too, so the two protocols differ in prompt and scoring only).
 
 The two protocols differ by design, and their accuracies are not the same number:
 
@@ -30,6 +31,8 @@ TASKS = {
     "arc_challenge": ("arc/arc_challenge.yaml", "test", "test"),
     "hellaswag": ("hellaswag/hellaswag.yaml", "validation", "validation"),
 }
+
+HF_DTYPES = {"fp32": "float32", "bf16": "bfloat16"}  # fedspear's names → lm-eval's hf ``dtype=``
 
 
 class HarnessError(ValueError):
@@ -75,8 +78,12 @@ def task_config(task: str, data_dir: str | None = None) -> dict[str, Any]:
 
 
 def evaluate_lm_eval(model_dir: str | Path, task: str, adapter: str | Path | None = None, *,
-                     data_dir: str | None = None, limit: int | None = None, batch_size: int = 16) -> dict[str, Any]:
+                     data_dir: str | None = None, limit: int | None = None, batch_size: int = 16,
+                     dtype: str = "fp32") -> dict[str, Any]:
     """Score the model (with ``adapter`` when given) on ``task`` with lm-eval, offline.
+
+    ``dtype``: ``fp32`` or ``bf16`` (the weights lm-eval's ``hf`` model loads, ``dtype=float32 | bfloat16``);
+    ``limit``: score only the first ``limit`` documents of the split (lm-eval's ``--limit``).
 
     Returns:
         ``n``, ``acc``, ``acc_norm`` (fractions), their standard errors (``acc_stderr``, ``acc_norm_stderr``, from
@@ -84,15 +91,19 @@ def evaluate_lm_eval(model_dir: str | Path, task: str, adapter: str | Path | Non
         "logliks"}`` (1.0 right, 0.0 wrong; the summed log-probability of each choice's continuation, nats).
     Raises:
         HarnessError: see ``task_config``.
+        ValueError: ``dtype`` is neither fp32 nor bf16.
     """
     import time
+
+    if dtype not in HF_DTYPES:
+        raise ValueError(f"dtype must be fp32 or bf16 for lm-eval (got {dtype!r})")
 
     config = task_config(task, data_dir)
     os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     from lm_eval import simple_evaluate
 
-    args: dict[str, Any] = {"pretrained": str(model_dir), "dtype": "float32", "device": "cpu"}
+    args: dict[str, Any] = {"pretrained": str(model_dir), "dtype": HF_DTYPES[dtype], "device": "cpu"}
     if adapter is not None:
         args["peft"] = str(adapter)
     t0 = time.perf_counter()

@@ -8,6 +8,16 @@ import torch
 torch.set_num_threads(2)
 
 
+def pytest_collection_modifyitems(config, items):
+    """``gpu`` tests run where torch sees a CUDA GPU; elsewhere they are skipped and pytest's summary says why."""
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="gpu: needs a CUDA GPU; torch sees none on this machine")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)
+
+
 @pytest.fixture(scope="session")
 def tiny():
     """``(peft model, tokenizer)``: a randomly initialised 2-layer Llama wrapped with a fresh LoRA adapter."""

@@ -70,7 +70,7 @@ def _check_same_2d(reference_name: str, reference: torch.Tensor, name: str, x: t
 def _as_float_tensor(name: str, x, like: torch.Tensor | None = None) -> torch.Tensor:
     """``x`` (tensor, list, numpy array) as a floating tensor; integer/bool rewards become float32."""
     try:
-        t = torch.as_tensor(x)
+        t = x if torch.is_tensor(x) else torch.as_tensor(x, device=like.device if like is not None else None)
     except (TypeError, ValueError, RuntimeError) as exc:
         raise ValueError(f"{name} must be numbers (a tensor, list or array), got {type(x).__name__}") from exc
     if like is not None:

@@ -198,7 +198,7 @@ def run_bench(model: str = "smollm2-135m", dtype: str = "auto", quick: bool = Fa
         "memory_bandwidth_bytes_per_s": memory_bandwidth(16 if quick else 256, s),
     }
     out["bounds"] = bounds
-    base, tokenizer, dtype_used = load_base(model, dtype)
+    base, tokenizer, dtype_used = load_base(model, dtype, "cpu")  # the CPU's bounds and phases (a GPU's: not yet)
     peft = add_lora(base, LoraSettings())
     out["dtype"] = dtype_used
     counts = flop_counts(peft)

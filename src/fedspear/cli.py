@@ -201,15 +201,19 @@ def _run(cfg: RunConfig, verbose: bool) -> None:
     from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
     from .fl.partition import PartitionError
-    from .model import ModelError, resolve_dtype
+    from .model import ModelError, resolve_device, resolve_dtype
     from .rundir import EmptyRoundError, RunDir, RunDirError
     from .tasks.base import DataError
 
     console = Console(stderr=True)
+    try:
+        device = resolve_device(cfg.device)
+    except ModelError as err:
+        _fail(str(err))
     resolved = cfg.resolved()
     done = RunDir(cfg.output_dir).last_round()
     console.print(
-        f"[bold]fedspear[/] {cfg.algorithm} · {cfg.task} · model {cfg.model} · dtype {resolve_dtype(cfg.dtype)} · "
+        f"[bold]fedspear[/] {cfg.algorithm} · {cfg.task} · model {cfg.model} · {resolve_dtype(cfg.dtype, device)} on {device} · "
         f"{cfg.rounds} rounds · {cfg.num_clients} clients ({cfg.clients_per_round}/round) · "
         f"{cfg.rollouts_per_round} rollouts · N={cfg.max_revisions} · μ={cfg.mu} τ={resolved.tau} "
         f"λ_w={cfg.lambda_w} λ_l={cfg.lambda_l} · seed {cfg.seed} → {cfg.output_dir}"
@@ -380,16 +384,17 @@ def _eval_lm_eval(cfg: RunConfig, adapter: Path | None, round_: int | None, targ
     """``fedspear eval --harness lm-eval``: lm-eval's own task config on the shipped data (``fedspear.harness``)."""
     from .evaluation import wilson_interval
     from .harness import evaluate_lm_eval, harness_split
-    from .model import TINY_MODEL, resolve_dtype, resolve_model_dir
+    from .model import TINY_MODEL, resolve_device, resolve_dtype, resolve_model_dir
 
     expected = harness_split(cfg.task)
     if split is not None and split != expected:
         raise ConfigError(f"--harness lm-eval scores {cfg.task}'s {expected} split only")
     if cfg.model == TINY_MODEL:
         raise ConfigError("--harness lm-eval loads a model folder; tiny-random exists only in memory")
-    dtype = resolve_dtype(cfg.dtype)
+    device = resolve_device(cfg.device)
+    dtype = resolve_dtype(cfg.dtype, device)
     result = evaluate_lm_eval(resolve_model_dir(cfg.model), cfg.task, adapter, data_dir=cfg.data_dir, limit=limit,
-                              batch_size=cfg.eval_batch_size, dtype=dtype)
+                              batch_size=cfg.eval_batch_size, dtype=dtype, device=device)
     import lm_eval
 
     split = expected

@@ -97,7 +97,7 @@ class Worker:
     @classmethod
     def load(cls, cfg: RunConfig) -> "Worker":
         cfg = cfg.resolved()
-        base, tokenizer, dtype_used = load_base(cfg.model, cfg.dtype)
+        base, tokenizer, dtype_used = load_base(cfg.model, cfg.dtype, cfg.device)
         lora = LoraSettings(cfg.lora_r, cfg.lora_alpha, cfg.lora_dropout, cfg.last_layers)
         use_gradient_checkpointing(base, cfg.gradient_checkpointing)
         model = add_lora(base, lora, seed=cfg.seed)
@@ -105,7 +105,7 @@ class Worker:
 
     def compatible(self, cfg: RunConfig) -> bool:
         """Whether this worker's model can serve ``cfg`` (same model, dtype, LoRA shape, task and data)."""
-        keys = ("model", "dtype", "lora_r", "lora_alpha", "lora_dropout", "last_layers", "gradient_checkpointing",
+        keys = ("model", "dtype", "device", "lora_r", "lora_alpha", "lora_dropout", "last_layers", "gradient_checkpointing",
                 "task", "data_dir", "data_source", "train_size", "seed")
         return all(getattr(self.cfg, k) == getattr(cfg, k) for k in keys)
 

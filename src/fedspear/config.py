@@ -42,7 +42,8 @@ class RunConfig:
     # what to learn
     task: str = field(default="arc_challenge", metadata=_meta("benchmark: " + ", ".join(sorted(TASKS)), choices=sorted(TASKS)))
     model: str = field(default="smollm2-135m", metadata=_meta("packaged model name, local HF folder or hub id"))
-    dtype: str = field(default="auto", metadata=_meta("auto (bf16 where the CPU supports it), bf16 or fp32", choices=["auto", "bf16", "fp32"]))
+    dtype: str = field(default="auto", metadata=_meta("auto (bf16 where the device computes in it: a CPU with bf16 units, a CUDA GPU with bf16), bf16 or fp32", choices=["auto", "bf16", "fp32"]))
+    device: str = field(default="auto", metadata=_meta("where the model runs (clients and server evaluation): auto (a CUDA GPU when torch sees one, else the CPU), cpu or cuda; adapters travel as CPU arrays either way", choices=["auto", "cpu", "cuda"]))
     seed: int = field(default=0, metadata=_meta("seed for partition, client sampling, generation and training", min=0))
     algorithm: str = field(default="spear", metadata=_meta("client algorithm: spear (paper), or the baselines feedback_sft, grpo, opsd, rltf_sd (SPEC §5)", choices=list(ALGORITHMS)))
     # federation

@@ -25,7 +25,7 @@ import torch
 
 from . import progress
 from .interaction import generate, render, shared_prefix_length
-from .model import autocast
+from .model import autocast, model_device
 from .tasks.base import Example
 
 if TYPE_CHECKING:
@@ -79,8 +79,9 @@ def next_token_logits(model, tokenizer, contexts: Sequence[Sequence[int]], *, dt
     """
     import copy
 
+    device = model_device(model)
     if not contexts:
-        return torch.zeros(0, 0)
+        return torch.zeros(0, 0, device=device)
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     base = model.get_base_model() if hasattr(model, "get_base_model") else model
     decoder, head = base.get_decoder(), base.get_output_embeddings()
@@ -88,29 +89,31 @@ def next_token_logits(model, tokenizer, contexts: Sequence[Sequence[int]], *, dt
     model.eval()
     cache = None
     if prefix:
-        with autocast(dtype_used):
-            cache = decoder(input_ids=torch.tensor([list(contexts[0][:prefix])]), use_cache=True).past_key_values
+        with autocast(dtype_used, device.type):
+            cache = decoder(input_ids=torch.tensor([list(contexts[0][:prefix])], device=device),
+                            use_cache=True).past_key_values
     order = sorted(range(len(contexts)), key=lambda i: len(contexts[i]))
     out: list[torch.Tensor | None] = [None] * len(contexts)
     for start in range(0, len(order), batch_size):
         rows = order[start : start + batch_size]
         tails = [list(contexts[r][prefix:]) for r in rows]
         width = max(len(t) for t in tails)
-        ids = torch.full((len(rows), width), pad, dtype=torch.long)  # [B, S], right-padded after the prefix
-        mask = torch.zeros((len(rows), prefix + width), dtype=torch.long)  # [B, P + S]
+        ids = torch.full((len(rows), width), pad, dtype=torch.long, device=device)  # [B, S], right-padded after P
+        mask = torch.zeros((len(rows), prefix + width), dtype=torch.long, device=device)  # [B, P + S]
         mask[:, :prefix] = 1
         for i, tail in enumerate(tails):
-            ids[i, : len(tail)] = torch.tensor(tail)
+            ids[i, : len(tail)] = torch.tensor(tail, device=device)
             mask[i, prefix : prefix + len(tail)] = 1
-        positions = torch.arange(prefix, prefix + width).expand(len(rows), -1)  # [B, S]
+        positions = torch.arange(prefix, prefix + width, device=device).expand(len(rows), -1)  # [B, S]
         past = None
         if cache is not None:
             past = copy.deepcopy(cache)
             past.batch_repeat_interleave(len(rows))
-        with autocast(dtype_used):
+        with autocast(dtype_used, device.type):
             hidden = decoder(input_ids=ids, attention_mask=mask, position_ids=positions, past_key_values=past,
                              use_cache=past is not None).last_hidden_state  # [B, S, H]
-            last = hidden[torch.arange(len(rows)), torch.tensor([len(t) - 1 for t in tails])]  # [B, H]
+            last = hidden[torch.arange(len(rows), device=device),
+                          torch.tensor([len(t) - 1 for t in tails], device=device)]  # [B, H]
             logits = head(last).float()  # [B, V]
         for i, r in enumerate(rows):
             out[r] = logits[i]
@@ -244,7 +247,7 @@ class Evaluator:
         self.cfg = cfg
         self.task = get_task(cfg.task)
         self.split = split or self.task.EVAL_SPLIT
-        base, self.tokenizer, self.dtype_used = load_base(cfg.model, cfg.dtype)
+        base, self.tokenizer, self.dtype_used = load_base(cfg.model, cfg.dtype, cfg.device)
         self.model = add_lora(base, LoraSettings(cfg.lora_r, cfg.lora_alpha, cfg.lora_dropout, cfg.last_layers),
                               seed=cfg.seed)
         items, self.skipped = load_split(cfg, self.split)

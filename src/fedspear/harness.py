@@ -5,7 +5,7 @@ configs (prompt, answer choices, ``acc`` and ``acc_norm``, HellaSwag's ``process
 ``lm_eval/tasks/*/…yaml``, with one change: the documents come from the JSONL files fedspear ships (or ``data_dir``)
 through ``datasets``' ``json`` loader instead of the Hugging Face hub, so it runs offline. The model is lm-eval's
 ``hf`` model on the same local weights fedspear loads (``fedspear.model.resolve_model_dir``) with the adapter as
-``peft=``, on the CPU, in fp32 or bf16 (``fedspear eval``'s ``--dtype``: ``auto`` is bf16 where the CPU has bf16
+``peft=``, on the run's device, in fp32 or bf16 (``fedspear eval``'s ``--dtype``: ``auto`` is bf16 where the CPU has bf16
 units, the precision fedspear's own protocol then uses too, so the two protocols differ in prompt and scoring only).
 
 The two protocols differ by design, and their accuracies are not the same number:
@@ -79,10 +79,11 @@ def task_config(task: str, data_dir: str | None = None) -> dict[str, Any]:
 
 def evaluate_lm_eval(model_dir: str | Path, task: str, adapter: str | Path | None = None, *,
                      data_dir: str | None = None, limit: int | None = None, batch_size: int = 16,
-                     dtype: str = "fp32") -> dict[str, Any]:
+                     dtype: str = "fp32", device: str = "cpu") -> dict[str, Any]:
     """Score the model (with ``adapter`` when given) on ``task`` with lm-eval, offline.
 
     ``dtype``: ``fp32`` or ``bf16`` (the weights lm-eval's ``hf`` model loads, ``dtype=float32 | bfloat16``);
+    ``device``: ``cpu`` or ``cuda`` (lm-eval's ``device=``);
     ``limit``: score only the first ``limit`` documents of the split (lm-eval's ``--limit``).
 
     Returns:
@@ -103,7 +104,7 @@ def evaluate_lm_eval(model_dir: str | Path, task: str, adapter: str | Path | Non
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     from lm_eval import simple_evaluate
 
-    args: dict[str, Any] = {"pretrained": str(model_dir), "dtype": HF_DTYPES[dtype], "device": "cpu"}
+    args: dict[str, Any] = {"pretrained": str(model_dir), "dtype": HF_DTYPES[dtype], "device": device}
     if adapter is not None:
         args["peft"] = str(adapter)
     t0 = time.perf_counter()

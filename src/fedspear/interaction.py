@@ -26,7 +26,7 @@ import torch
 
 from . import progress
 from .feedback import FeedbackSource
-from .model import autocast
+from .model import autocast, model_device
 from .tasks.base import Example
 
 
@@ -154,6 +154,7 @@ def generate(
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos
     out: list[list[int]] = []
     was_training = model.training
+    device = model_device(model)
     model.eval()
     # every batch's whole token budget up front, so the phase's ETA covers all of them; a batch that stops early
     # (every row at EOS) counts its unused budget as done
@@ -163,13 +164,13 @@ def generate(
         prefix = shared_prefix_length(chunk) if reuse_prefix and len(chunk) > 1 else 0
         tails = [list(c[prefix:]) for c in chunk]
         width = max(len(t) for t in tails)
-        input_ids = torch.full((len(chunk), prefix + width), pad, dtype=torch.long)  # [B, P + L]
-        attention = torch.zeros((len(chunk), prefix + width), dtype=torch.long)  # [B, P + L]
+        input_ids = torch.full((len(chunk), prefix + width), pad, dtype=torch.long, device=device)  # [B, P + L]
+        attention = torch.zeros((len(chunk), prefix + width), dtype=torch.long, device=device)  # [B, P + L]
         if prefix:
-            input_ids[:, :prefix] = torch.tensor(list(chunk[0][:prefix]))
+            input_ids[:, :prefix] = torch.tensor(list(chunk[0][:prefix]), device=device)
             attention[:, :prefix] = 1
         for i, tail in enumerate(tails):
-            input_ids[i, prefix + width - len(tail) :] = torch.tensor(tail)
+            input_ids[i, prefix + width - len(tail) :] = torch.tensor(tail, device=device)
             attention[i, prefix + width - len(tail) :] = 1
         kwargs = dict(do_sample=do_sample, temperature=temperature, top_p=top_p) if do_sample else dict(
             do_sample=False, temperature=None, top_p=None, top_k=None
@@ -177,7 +178,7 @@ def generate(
         steps = _DecodeSteps() if progress.active() else None
         if steps is not None:
             kwargs["stopping_criteria"] = [steps]
-        with autocast(dtype_used):
+        with autocast(dtype_used, device.type):
             if prefix:
                 cache = model(input_ids=input_ids[:1, :prefix], use_cache=True).past_key_values
                 cache.batch_repeat_interleave(len(chunk))

@@ -201,17 +201,40 @@ def bf16_supported() -> bool:
     return "avx512_bf16" in flags or "amx_bf16" in flags
 
 
-def resolve_dtype(dtype: str) -> str:
-    """Map ``"auto"`` to ``"bf16"`` where the CPU supports it (or a GPU is present), else ``"fp32"``.
+def resolve_device(device: str = "auto") -> str:
+    """Map ``"auto"`` to ``"cuda"`` when torch sees a CUDA GPU, else ``"cpu"``.
 
     Raises:
-        ValueError: ``dtype`` is not one of auto, bf16, fp32.
+        ValueError: ``device`` is not one of auto, cpu, cuda.
+        ModelError: ``"cuda"`` was asked for but torch sees no CUDA GPU (the pinned torch wheel is CPU-only; README
+            says how to install a CUDA build).
+    """
+    if device not in ("auto", "cpu", "cuda"):
+        raise ValueError(f"device must be one of auto, cpu, cuda (got {device!r})")
+    if device == "cuda" and not torch.cuda.is_available():
+        raise ModelError(f"device = cuda, but torch {torch.__version__} sees no CUDA GPU (a CPU-only build, or no "
+                         "driver); install a CUDA build of torch (README: GPUs) or use device = cpu")
+    if device != "auto":
+        return device
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def resolve_dtype(dtype: str, device: str = "auto") -> str:
+    """Map ``"auto"`` to ``"bf16"`` where the device computes in it (a CPU with bf16 units, a CUDA GPU with bf16
+    support), else ``"fp32"``.
+
+    Raises:
+        ValueError: ``dtype`` is not one of auto, bf16, fp32 (or ``device`` not one of auto, cpu, cuda).
+        ModelError: see ``resolve_device``.
     """
     if dtype not in ("auto", "bf16", "fp32"):
         raise ValueError(f"dtype must be one of auto, bf16, fp32 (got {dtype!r})")
+    where = resolve_device(device)
     if dtype != "auto":
         return dtype
-    return "bf16" if (torch.cuda.is_available() or bf16_supported()) else "fp32"
+    if where == "cuda":
+        return "bf16" if torch.cuda.is_bf16_supported() else "fp32"
+    return "bf16" if bf16_supported() else "fp32"
 
 
 def _export_gguf(gguf: Path, target: Path) -> None:
@@ -280,17 +303,21 @@ class LoraSettings:
     last_layers: int = 0
 
 
-def load_base(model: str = DEFAULT_MODEL, dtype: str = "auto"):
-    """Load tokenizer and base causal LM in fp32 weights (bf16 is applied as autocast, see ``autocast``).
+def load_base(model: str = DEFAULT_MODEL, dtype: str = "auto", device: str = "auto"):
+    """Load tokenizer and base causal LM in fp32 weights on ``device`` (bf16 is applied as autocast, see
+    ``autocast``). On the CPU, bf16 linear weights and the decode attention kernel are installed (CPU speed patches);
+    on a CUDA GPU the model is transformers' own under CUDA bf16 autocast.
 
     Returns:
-        ``(model, tokenizer, dtype_used)`` with ``tokenizer.padding_side == "left"`` and a pad token set.
+        ``(model, tokenizer, dtype_used)`` with ``tokenizer.padding_side == "left"`` and a pad token set; the model's
+        ``device`` is where every caller puts its inputs.
     Raises:
-        ModelError: the model cannot be found or loaded (message says which and why).
+        ModelError: the model cannot be found or loaded, or ``device = cuda`` without a GPU (message says which).
     """
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    dtype_used = resolve_dtype(dtype)
+    where_to = resolve_device(device)
+    dtype_used = resolve_dtype(dtype, where_to)
     if model == TINY_MODEL:
         base, tokenizer = tiny_model()
     else:
@@ -304,6 +331,8 @@ def load_base(model: str = DEFAULT_MODEL, dtype: str = "auto"):
         if tokenizer.pad_token is None:
             tokenizer.pad_token = tokenizer.eos_token
         base.generation_config.pad_token_id = tokenizer.pad_token_id
+    if where_to == "cuda":
+        return base.to(where_to), tokenizer, dtype_used
     if dtype_used == "bf16":
         store_linear_weights_bf16(base)
     use_decode_attention(base)
@@ -508,14 +537,19 @@ def set_adapter(model, arrays: "dict[str, np.ndarray]") -> None:
         value = np.asarray(arrays[name])
         if tuple(value.shape) != tuple(ref.shape):
             raise ValueError(f"adapter tensor {name}: shape {value.shape}, expected {tuple(ref.shape)}")
-        state[name] = torch.tensor(value, dtype=ref.dtype)
+        state[name] = torch.tensor(value, dtype=ref.dtype, device=ref.device)
     set_peft_model_state_dict(model, state)
 
 
-def autocast(dtype_used: str):
-    """Autocast context for ``dtype_used`` (``"bf16"`` → CPU/GPU bf16 autocast, ``"fp32"`` → no-op)."""
-    device = "cuda" if torch.cuda.is_available() else "cpu"
-    return torch.autocast(device_type=device, dtype=torch.bfloat16, enabled=dtype_used == "bf16")
+def model_device(model) -> torch.device:
+    """The device ``model``'s parameters are on: where its inputs go (``load_base``'s ``device``)."""
+    return next(model.parameters()).device
+
+
+def autocast(dtype_used: str, device_type: str = "cpu"):
+    """Autocast context for ``dtype_used`` on ``device_type`` (``"cpu"`` or ``"cuda"``, the model's
+    ``device.type``): ``"bf16"`` → bf16 autocast, ``"fp32"`` → no-op."""
+    return torch.autocast(device_type=device_type, dtype=torch.bfloat16, enabled=dtype_used == "bf16")
 
 
 def tiny_model(seed: int = 0):

@@ -57,7 +57,8 @@ class RunDirError(ValueError):
 
 
 # keys that may change between invocations without changing the experiment
-RESUME_FREE_KEYS = {"output_dir", "round_timeout", "data_dir", "round0_from", "max_empty_rounds", "tensorboard"}
+RESUME_FREE_KEYS = {"output_dir", "round_timeout", "data_dir", "round0_from", "max_empty_rounds", "tensorboard",
+                    "device"}
 
 # Keys added with a default that differs from what runs did before them: a saved config.toml without the key was
 # made under the old behaviour, so resuming it under the new default must be refused, not silently mixed.

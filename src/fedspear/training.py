@@ -23,7 +23,7 @@ import torch
 from . import losses as L
 from . import progress
 from .interaction import Trace
-from .model import FastDropout, autocast
+from .model import FastDropout, autocast, model_device
 from .server_opt import fedprox_term
 
 
@@ -105,18 +105,19 @@ class Batch:
         return self.labels.shape[1]
 
 
-def pack(traces: Sequence[Trace], pad_id: int) -> Batch:
-    """Left-pad ``prompt ‖ completion`` for each trace so completions end at the last column."""
+def pack(traces: Sequence[Trace], pad_id: int, device: torch.device | str | None = None) -> Batch:
+    """Left-pad ``prompt ‖ completion`` for each trace so completions end at the last column; every tensor on
+    ``device`` (the model's, ``fedspear.model.model_device``; None: torch's default device)."""
     seqs = [t.prompt_ids + t.completion_ids for t in traces]
     width = max(len(s) for s in seqs)
     window = max(len(t.completion_ids) for t in traces)
     n = len(traces)
-    input_ids = torch.full((n, width), pad_id, dtype=torch.long)  # [B, L]
-    attention = torch.zeros((n, width), dtype=torch.long)  # [B, L]
-    completion = torch.zeros((n, window), dtype=torch.bool)  # [B, C]
-    tail_base = torch.zeros((n, window), dtype=torch.bool)  # [B, C]
+    input_ids = torch.full((n, width), pad_id, dtype=torch.long, device=device)  # [B, L]
+    attention = torch.zeros((n, width), dtype=torch.long, device=device)  # [B, L]
+    completion = torch.zeros((n, window), dtype=torch.bool, device=device)  # [B, C]
+    tail_base = torch.zeros((n, window), dtype=torch.bool, device=device)  # [B, C]
     for i, (seq, t) in enumerate(zip(seqs, traces)):
-        input_ids[i, width - len(seq) :] = torch.tensor(seq)
+        input_ids[i, width - len(seq) :] = torch.tensor(seq, device=device)
         attention[i, width - len(seq) :] = 1
         c = len(t.completion_ids)
         completion[i, window - c :] = True
@@ -153,7 +154,7 @@ def completion_logits(model, batch: Batch, dtype_used: str) -> torch.Tensor:
 
     Only the last C + 1 positions get logits (``logits_to_keep``); position j predicts token j + 1.
     """
-    with autocast(dtype_used):
+    with autocast(dtype_used, batch.input_ids.device.type):
         out = model(
             input_ids=batch.input_ids,
             attention_mask=batch.attention_mask,
@@ -178,12 +179,13 @@ def completion_logprobs(model, batch: Batch, dtype_used: str) -> torch.Tensor:
         return L.token_logprobs(completion_logits(model, batch, dtype_used), batch.labels)  # [B, C]
     parts, rows = [], []
     for group in groups:
-        sub = pack([batch.traces[i] for i in group], batch.pad_id)
+        sub = pack([batch.traces[i] for i in group], batch.pad_id, batch.input_ids.device)
         logp = L.token_logprobs(completion_logits(model, sub, dtype_used), sub.labels)  # [b, c]
         parts.append(torch.nn.functional.pad(logp, (batch.window - sub.window, 0)))  # [b, C]
         rows += group
-    inverse = torch.empty(len(rows), dtype=torch.long)
-    inverse[torch.tensor(rows)] = torch.arange(len(rows))
+    device = batch.input_ids.device
+    inverse = torch.empty(len(rows), dtype=torch.long, device=device)
+    inverse[torch.tensor(rows, device=device)] = torch.arange(len(rows), device=device)
     return torch.cat(parts)[inverse]  # [B, C] in batch order
 
 
@@ -305,15 +307,16 @@ def local_train(
     rng = random.Random(seed)
     win_draw, lose_draw = _Cycler(wins, settings.batch_size, rng), _Cycler(losses, settings.batch_size, rng)
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    device = model_device(model)
 
     def micro_step() -> dict[str, torch.Tensor]:
         wb = win_draw.next()
         lb = lose_draw.next() if losses else []
-        batch = pack(wb + lb, pad)
+        batch = pack(wb + lb, pad, device)
         logp = completion_logprobs(model, batch, dtype_used)  # [Bw + Bl, C]
         nw = len(wb)
         lose_tail = L.tail_mask(batch.tail_base[nw:], settings.tau)  # [Bl, C]
-        alpha = torch.tensor([t.alpha for t in lb], dtype=torch.float32)  # [Bl]
+        alpha = torch.tensor([t.alpha for t in lb], dtype=torch.float32, device=device)  # [Bl]
         terms = L.spear_loss(
             logp[:nw], batch.completion_mask[:nw], logp[nw:], lose_tail, alpha,
             lambda_w=settings.lambda_w, lambda_l=settings.lambda_l if lb else 0.0, mu=settings.mu,
@@ -343,8 +346,9 @@ def pair_margin(model, wins, losses, pad: int, tau: int, dtype_used: str) -> tup
         return float("nan"), 0
     was_training = model.training
     model.eval()
-    win_batch = pack([w for w, _ in pairs], pad)
-    lose_batch = pack([l for _, l in pairs], pad)
+    device = model_device(model)
+    win_batch = pack([w for w, _ in pairs], pad, device)
+    lose_batch = pack([l for _, l in pairs], pad, device)
     win_logp = completion_logprobs(model, win_batch, dtype_used)
     lose_logp = completion_logprobs(model, lose_batch, dtype_used)
     m = L.margin(win_logp, win_batch.completion_mask, lose_logp, L.tail_mask(lose_batch.tail_base, tau))

@@ -13,6 +13,7 @@ import torch
 
 from .. import progress
 from ..interaction import Trace, generate, new_counters, render
+from ..model import model_device
 from ..tasks.base import Example
 from ..training import TrainSettings, completion_logprobs, optimise, pack
 
@@ -62,10 +63,11 @@ def logprobs_of(model, traces: Sequence[Trace], pad: int, dtype_used: str, *, ad
     """
     was_training = model.training
     model.eval()
+    device = model_device(model)
     out: list[torch.Tensor] = []
     for start in range(0, len(traces), batch_size):
         chunk = list(traces[start : start + batch_size])
-        batch = pack(chunk, pad)
+        batch = pack(chunk, pad, device)
         if adapter:
             logp = completion_logprobs(model, batch, dtype_used)
         else:
@@ -78,9 +80,10 @@ def logprobs_of(model, traces: Sequence[Trace], pad: int, dtype_used: str, *, ad
     return out
 
 
-def aligned(values: Sequence[torch.Tensor], window: int) -> torch.Tensor:
-    """Per-trace vectors right-aligned in a packed completion window of width C → ``[len(values), C]``, 0 elsewhere."""
-    out = torch.zeros((len(values), window), dtype=torch.float32)
+def aligned(values: Sequence[torch.Tensor], window: int, device: torch.device | str | None = None) -> torch.Tensor:
+    """Per-trace vectors right-aligned in a packed completion window of width C → ``[len(values), C]`` on ``device``
+    (the batch's; None: torch's default device), 0 elsewhere."""
+    out = torch.zeros((len(values), window), dtype=torch.float32, device=device)
     for i, v in enumerate(values):
         if len(v):
             out[i, window - len(v) :] = v

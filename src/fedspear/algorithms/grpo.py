@@ -35,6 +35,7 @@ import torch
 
 from .. import baseline_losses as B
 from ..feedback import FeedbackSource
+from ..model import model_device
 from ..tasks.base import Example
 from ..training import TrainSettings, completion_logprobs, pack
 from . import common
@@ -84,7 +85,8 @@ def client_round(worker, examples: Sequence[Example], *, lr: float, seed: int,
     rewards = [float(feedback.is_correct(examples[k // s.group_size], common.text(worker, y)))
                for k, y in enumerate(completions)]
     counters["initial_correct"], counters["initial_samples"] = sum(rewards), len(rewards)
-    advantages = B.grpo_advantages(torch.tensor(rewards).view(len(examples), s.group_size)).flatten()  # [P·G]
+    device = model_device(model)
+    advantages = B.grpo_advantages(torch.tensor(rewards, device=device).view(len(examples), s.group_size)).flatten()
     traces = [common.make_trace(examples[k // s.group_size].uid, ctx, y, eos)
               for k, (ctx, y) in enumerate(zip(contexts, completions))]
 
@@ -98,11 +100,11 @@ def client_round(worker, examples: Sequence[Example], *, lr: float, seed: int,
 
     def micro_step() -> dict[str, torch.Tensor]:
         idx = next(queue)
-        batch = pack([traces[i] for i in idx], pad)
+        batch = pack([traces[i] for i in idx], pad, device)
         logp = completion_logprobs(model, batch, worker.dtype_used)  # [B, C]
         terms = B.grpo_loss(
-            logp, common.aligned([old[i] for i in idx], batch.window),
-            common.aligned([ref[i] for i in idx], batch.window) if ref is not None else None,
+            logp, common.aligned([old[i] for i in idx], batch.window, device),
+            common.aligned([ref[i] for i in idx], batch.window, device) if ref is not None else None,
             batch.completion_mask, advantages[idx], s.eps, s.beta,
         )
         return {"loss": terms["loss"], "loss_pg": terms["pg"], "kl": terms["kl"],

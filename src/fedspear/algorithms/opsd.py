@@ -31,6 +31,7 @@ import torch
 from .. import baseline_losses as B
 from ..feedback import FeedbackSource
 from ..interaction import Trace, render
+from ..model import model_device
 from ..tasks.base import Example
 from ..training import TrainSettings, completion_logits, pack
 from . import common
@@ -104,13 +105,14 @@ def client_round(worker, examples: Sequence[Example], *, lr: float, seed: int,
                 for ex, t in zip(examples, students)]
 
     t0 = time.perf_counter()
+    device = model_device(model)
     queue = iter(common.draw_batches(len(students), s.train.batch_size, s.train.local_steps * s.train.grad_accum,
                                      seed))
 
     def micro_step() -> dict[str, torch.Tensor]:
         idx = next(queue)
-        student = pack([students[i] for i in idx], pad)
-        teacher = pack([teachers[i] for i in idx], pad)  # same completions → same window C
+        student = pack([students[i] for i in idx], pad, device)
+        teacher = pack([teachers[i] for i in idx], pad, device)  # same completions → same window C
         with torch.no_grad():
             was_training = model.training
             model.eval()

@@ -31,6 +31,7 @@ import torch
 from .. import baseline_losses as B
 from ..feedback import FeedbackSource
 from ..interaction import render
+from ..model import model_device
 from ..tasks.base import Example
 from ..training import TrainSettings, completion_logprobs, pack
 from . import common, grpo
@@ -78,10 +79,12 @@ def client_round(worker, examples: Sequence[Example], *, lr: float, seed: int,
             x1[k], y1[k] = ctx, y
             r1[k] = float(feedback.is_correct(ex_of[k], common.text(worker, y)))
         counters["revisions_successful"] = int(sum(r1[k] for k in wrong))
-    continued = torch.zeros(p * n, dtype=torch.bool)
+    device = model_device(model)
+    continued = torch.zeros(p * n, dtype=torch.bool, device=device)
     continued[wrong] = True
     a_rl0, a_rl1, a_sd = (a.flatten() for a in B.rltf_sd_advantages(
-        torch.tensor(r0).view(p, n), torch.tensor(r1).view(p, n), continued.view(p, n), s.gamma))
+        torch.tensor(r0, device=device).view(p, n), torch.tensor(r1, device=device).view(p, n),
+        continued.view(p, n), s.gamma))
     first = [common.make_trace(ex.uid, x, y, eos) for ex, x, y in zip(ex_of, x0, y0)]
     second = [common.make_trace(ex.uid, x, y, eos) for ex, x, y in zip(ex_of, x1, y1)]
     distil = [common.make_trace(ex.uid, x, y, eos) for ex, x, y in zip(ex_of, x0, y1)]  # y1 under x0
@@ -101,17 +104,17 @@ def client_round(worker, examples: Sequence[Example], *, lr: float, seed: int,
     def micro_step() -> dict[str, torch.Tensor]:
         idx = next(queue)
         k = len(idx)
-        batch = pack([first[i] for i in idx] + [second[i] for i in idx] + [distil[i] for i in idx], pad)
+        batch = pack([first[i] for i in idx] + [second[i] for i in idx] + [distil[i] for i in idx], pad, device)
         logp = completion_logprobs(model, batch, worker.dtype_used)  # [3B, C]
         mask = batch.completion_mask
         rows = lambda part: slice(part * k, (part + 1) * k)  # noqa: E731
         terms = B.rltf_sd_loss(
             logp[rows(0)], mask[rows(0)], logp[rows(1)], mask[rows(1)], logp[rows(2)], mask[rows(2)],
             (a_rl0[idx], a_rl1[idx], a_sd[idx]), beta=s.beta, eps=s.eps,
-            old_logp0=common.aligned([old0[i] for i in idx], batch.window),
-            old_logp1=common.aligned([old1[i] for i in idx], batch.window),
-            ref_logp0=common.aligned([ref0[i] for i in idx], batch.window) if ref0 else None,
-            ref_logp1=common.aligned([ref1[i] for i in idx], batch.window) if ref1 else None,
+            old_logp0=common.aligned([old0[i] for i in idx], batch.window, device),
+            old_logp1=common.aligned([old1[i] for i in idx], batch.window, device),
+            ref_logp0=common.aligned([ref0[i] for i in idx], batch.window, device) if ref0 else None,
+            ref_logp1=common.aligned([ref1[i] for i in idx], batch.window, device) if ref1 else None,
             sd_coef=s.sd_coef, rl_coef=s.rl_coef,
         )
         return {"loss": terms["loss"], "loss_sd": terms["sd"], "loss_rl0": terms["rl0"], "loss_rl1": terms["rl1"],

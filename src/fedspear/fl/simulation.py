@@ -52,8 +52,11 @@ def simulate(cfg: RunConfig, on_round: Callable[[dict], None] | None = None, ver
     from flwr.serverapp import Grid, ServerApp
     from flwr.simulation import run_simulation
 
+    import torch
+
     from fedspear.fl.client_app import app as client_app
     from fedspear.fl.server_app import run_server
+    from fedspear.model import resolve_device
 
     outcome: dict[str, object] = {}
     server_app = ServerApp()
@@ -71,11 +74,14 @@ def simulate(cfg: RunConfig, on_round: Callable[[dict], None] | None = None, ver
     if not verbose:
         flwr_logger.setLevel(logging.ERROR)
     cpus = max(1, min(2, os.cpu_count() or 1))
+    # Ray hides every GPU from an actor that asks for none (CUDA_VISIBLE_DEVICES=""): on a CUDA run the client actor
+    # asks for one whole GPU, so clients take turns on it as they do on the CPU cores
+    gpus = torch.cuda.device_count() if resolve_device(cfg.device) == "cuda" else 0
     backend_config = {
-        "client_resources": {"num_cpus": cpus, "num_gpus": 0.0},
+        "client_resources": {"num_cpus": cpus, "num_gpus": 1.0 if gpus else 0.0},
         "init_args": {
             "num_cpus": cpus,
-            "num_gpus": 0,
+            "num_gpus": gpus,
             "_node_ip_address": "127.0.0.1",
             "include_dashboard": False,
             "logging_level": logging.INFO if verbose else logging.WARNING,

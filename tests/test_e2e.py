@@ -74,6 +74,8 @@ def test_run_writes_metrics_report_plots_and_resumes(tmp_path):
         assert set(s) >= {"generate_revisions", "aggregate", "flower_overhead", "clients_total"}
         assert r["eval"]["n"] == 8 and r["wall_clock"] > records[0]["wall_clock"]
         assert r["peak_rss_mb"]["client"] > 100 and r["peak_rss_mb"]["server"] > 100
+        for who in ("client", "server"):  # what a process holds after the round: at most its peak
+            assert 100 < r["rss_after_round_mb"][who] <= r["peak_rss_mb"][who]
         if r["wins"]:
             assert r["loss_win"] > 0 and r["steps"] == 2
     for t in (0, 1, 2):

@@ -51,7 +51,7 @@ def test_faulty_clients_are_excluded_with_reasons_and_the_round_completes(tmp_pa
 ARGS = ["--rounds", "3", "--clients", "2", "--clients-per-round", "1", "--rollouts-per-round", "4", "--eval-size", "4",
         "--dtype", "fp32", "--set", "local_steps=2", "--set", "batch_size=2", "--set", "eval_every=3",
         "--set", "train_size=40", "--set", "max_new_tokens=8", "--set", "lr=0.001", "--set", "strategy=fedadam"]
-VOLATILE = {"seconds", "wall_clock", "peak_rss_mb", "node_id", "seconds_generate_initial",
+VOLATILE = {"seconds", "wall_clock", "peak_rss_mb", "rss_after_round_mb", "node_id", "seconds_generate_initial",
             "seconds_generate_revisions", "seconds_train", "seconds_evaluate",
             "worker_pid", "model_loads", "seconds_load_model"}  # which process ran a client, and its history
 

@@ -292,6 +292,7 @@ def spear_round(model: str, dtype: str, quick: bool, output_dir: str | None, rou
                                                                              - r["seconds"]["evaluate"])
                                        for r in records],
         "peak_rss_mb": records[-1]["peak_rss_mb"],
+        "rss_after_round_mb": records[-1].get("rss_after_round_mb", {}),
         "wall_seconds_including_startup": wall,
         "counters": {k: r1[k] for k in ("prompts", "wins", "losses", "revisions_attempted", "revisions_successful",
                                         "tokens_generated")},
@@ -479,6 +480,9 @@ def render(result: dict[str, Any]) -> str:
             f"Seconds per client-round (round without evaluation ÷ clients, median): "
             f"**{r['seconds_per_client_round']:.1f}**;"
             f" Flower overhead {r['flower_overhead_share']:.1%} of the round; peak RSS client "
-            f"{r['peak_rss_mb'].get('client', 0):.0f} MiB, server {r['peak_rss_mb'].get('server', 0):.0f} MiB.",
+            f"{r['peak_rss_mb'].get('client', 0):.0f} MiB, server {r['peak_rss_mb'].get('server', 0):.0f} MiB; "
+            f"resident after the round (freed memory returned) client "
+            f"{r.get('rss_after_round_mb', {}).get('client', float('nan')):.0f} MiB, server "
+            f"{r.get('rss_after_round_mb', {}).get('server', float('nan')):.0f} MiB.",
         ]
     return "\n".join(lines) + "\n"

@@ -21,7 +21,7 @@ from flwr.app import ConfigRecord, Context, Message, MessageType, RecordDict
 from flwr.serverapp import Grid, ServerApp
 
 from fedspear import progress
-from fedspear.client import load_train_examples, peak_rss_mb
+from fedspear.client import load_train_examples, peak_rss_mb, release_memory
 from fedspear.config import RunConfig, load_config
 from fedspear.evaluation import Evaluator
 from fedspear.fl.partition import dirichlet_partitions, partition_summary
@@ -128,6 +128,8 @@ def _round_record(server_round: int, lr: float, replies, aggregated: bool, rejec
             "train": sum(c.get("seconds_train", 0.0) for c in ok),
         },
         "peak_rss_mb": {"client": max((c.get("peak_rss_mb", 0.0) for c in ok), default=0.0)},
+        # what a client still holds once its round is over (after release_memory), the largest of the round's
+        "rss_after_round_mb": {"client": max((c.get("rss_after_round_mb", 0.0) for c in ok), default=0.0)},
         "clients": clients,
     }
     del record["num_wins"], record["num_losses"]
@@ -310,7 +312,7 @@ def run_server(grid: Grid, cfg: RunConfig, on_round: Callable[[dict], None] | No
             run.save_adapter(0, arrays, evaluator.peft_config())
             record = {"round": 0, "eval": metrics, "seconds": {"evaluate": metrics["seconds_evaluate"]},
                       "wall_clock": wall, "dtype": evaluator.dtype_used, "skipped_eval_records": len(evaluator.skipped),
-                      "peak_rss_mb": {"server": peak_rss_mb()}}
+                      "peak_rss_mb": {"server": peak_rss_mb()}, "rss_after_round_mb": {"server": release_memory()}}
             run.append(record)
             records.append(record)
             emit(record)
@@ -394,6 +396,7 @@ def run_server(grid: Grid, cfg: RunConfig, on_round: Callable[[dict], None] | No
             wall += record["seconds"]["round"]
             record["wall_clock"] = wall
             record["peak_rss_mb"]["server"] = peak_rss_mb()
+            record["rss_after_round_mb"]["server"] = release_memory()
             state = state_to_arrays(strategy.opt_state) if strategy.server_opt else None
             json_state = {STATE_FILE: private.ledger.state_dict()} if private is not None else None
             run.save_adapter(server_round, arrays, evaluator.peft_config(), server_state=state, json_state=json_state)

@@ -10,7 +10,7 @@ STAMP  := $(VENV)/.fedspear-installed
 OUT    ?= runs/default
 PYTEST_ARGS ?=
 
-.PHONY: install run test clean-runs browser models-large
+.PHONY: install run test lint clean-runs browser models-large
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -24,6 +24,10 @@ $(STAMP): $(PY) pyproject.toml constraints.txt
 	touch $(STAMP)
 
 install: $(STAMP)
+
+# the code's style checks (pyproject.toml [tool.ruff]); CI runs them before the tests
+lint: install
+	$(VENV)/bin/ruff check
 
 run: install
 	$(VENV)/bin/fedspear run --output-dir $(OUT)

@@ -88,7 +88,8 @@ HELLASWAG_SOURCE = """# HellaSwag (shipped with fedspear; SUBSETS — pass `data
 
 | file | what it is |
 |---|---|
-| train_olmes_preprocessed.jsonl | {n_train} of the 39905 lines of `shared/data/hellaswag/train_olmes_preprocessed.jsonl` |
+| train_olmes_preprocessed.jsonl | {n_train} of the 39905 lines of \
+`shared/data/hellaswag/train_olmes_preprocessed.jsonl` |
 | validation.jsonl | {n_val} of the 10042 lines of `shared/data/hellaswag/validation.jsonl` (the hub validation split) |
 
 Made by `{script}`: lines drawn with `random.Random({seed})` (sample of line numbers), kept in file order and
@@ -126,8 +127,10 @@ Fields (math_mcqa's names, plus where the item came from): `problem`, `choices` 
 ## How it was made (`{script}`, `fedspear.tasks.math_mcqa.derive_split`)
 From `shared/data/hendrycks_math/{{train,test}}.jsonl` (the official MATH archive: train 7500, test 5000; from GitHub
 `aiwaves-cn/agents`, commit `e8c4e3c2d19739d3dff59e577d1c97090cc15f59`, verified against `EleutherAI/hendrycks_math`):
-1. gold = the content of the last `\\boxed{{...}}` of `solution` (balanced braces; `\\boxed 2` counts), whitespace collapsed;
-2. skipped: "Level ?" problems (2 in train) and problems whose boxed answer is empty (2 in train) → train 7496, test 5000;
+1. gold = the content of the last `\\boxed{{...}}` of `solution` (balanced braces; `\\boxed 2` counts), whitespace \
+collapsed;
+2. skipped: "Level ?" problems (2 in train) and problems whose boxed answer is empty (2 in train) → train 7496, \
+test 5000;
 3. 3 distractors = boxed answers of other problems of the same `type` in the same split, distinct from the gold and
    from each other (whitespace, `\\dfrac`/`\\tfrac`, `\\left`/`\\right`, `$` and thin spaces ignored), drawn with
    `random.Random(seed)`, seed = first 8 bytes of sha256("fedspear-math_mcqa:" + unique_id); the gold position is
@@ -149,7 +152,8 @@ Everything here is rebuilt by `{script}` from the offline copies in `shared/data
 |---|---|---|---|
 | arc_challenge/ | ARC-Challenge | train + test, complete, exact | CC BY-SA 4.0 |
 | hellaswag/ | HellaSwag | seeded samples of train (OLMES-preprocessed form) and validation | MIT |
-| math_mcqa/ | math_mcqa (offline) | a 4-choice set derived from MATH, **not** stellaathena/math_mcqa; a seeded sample | MIT |
+| math_mcqa/ | math_mcqa (offline) | a 4-choice set derived from MATH, **not** stellaathena/math_mcqa; \
+a seeded sample | MIT |
 | strategy_qa/ | StrategyQA | ChilleD train + test, complete | MIT |
 
 The licences cover the data files in these folders, not fedspear's code.

@@ -24,7 +24,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from fedspear.compare import item_paired_diff
+from fedspear.experiments.compare.stats import item_paired_diff
 from fedspear.evaluation import wilson_interval
 from fedspear.rundir import RunDir
 from fedspear.tasks import get_task

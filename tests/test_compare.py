@@ -12,8 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from fedspear.compare import (PRESETS, Grid, item_mean_ci, item_paired_diff, load_grid, mean_std, paired_ci,
-                              paired_gain)
+from fedspear.experiments.compare.grid import PRESETS, Grid, load_grid
+from fedspear.experiments.compare.stats import item_mean_ci, item_paired_diff, mean_std, paired_ci, paired_gain
 from fedspear.config import ConfigError
 
 
@@ -179,7 +179,7 @@ def test_paper_grid_gives_each_cell_its_tables_values(tmp_path):
 
 
 def load_grid_roundtrip(grid: Grid, tmp_path: Path) -> Grid:
-    from fedspear.compare import grid_toml
+    from fedspear.experiments.compare.grid import grid_toml
 
     path = tmp_path / "grid.toml"
     path.write_text(grid_toml(grid), encoding="utf-8")
@@ -189,7 +189,7 @@ def load_grid_roundtrip(grid: Grid, tmp_path: Path) -> Grid:
 def test_a_grid_toml_written_before_the_partitioner_key_matches_its_preset(tmp_path, monkeypatch):
     """The committed cpu-qwen1.5b grid.toml has no ``partitioner``: it ran under the old rule, which the preset now
     pins, so resuming or extending it is allowed; a grid under the new default is refused."""
-    import fedspear.compare as compare_module
+    import fedspear.experiments.compare.grid as compare_module
 
     committed = Path(__file__).resolve().parents[1] / "docs" / "results" / "cpu-qwen1.5b" / "grid.toml"
     out = tmp_path / "grid"
@@ -226,7 +226,7 @@ def test_a_finished_grid_gains_a_seed_without_rerunning_its_cells(tmp_path, monk
     round 0 (no ``round0_from``). Removing a seed is still refused."""
     import shutil
 
-    import fedspear.compare as compare_module
+    import fedspear.experiments.compare.grid as compare_module
 
     committed = Path(__file__).resolve().parents[1] / "docs" / "results" / "cpu-qwen1.5b"
     out = tmp_path / "grid"
@@ -270,7 +270,7 @@ def test_dp_settings_are_grid_axes_and_the_summary_gives_epsilon(tmp_path):
     The two cells differ only in ``dp``; the DP cell records ε per round and comparison.md/json give its final ε —
     the accountant's after 2 noised releases (4.728507 after 1 at z = 1, δ = 1e-5, by hand in test_dp); the
     cell without DP has none."""
-    from fedspear.compare import PRESETS
+    from fedspear.experiments.compare.grid import PRESETS
     from fedspear.config import RunConfig
     from fedspear.fl.privacy import PrivacyLedger
 

@@ -7,7 +7,7 @@ import math
 import pytest
 
 from fedspear.config import ConfigError, RunConfig, load_config
-from fedspear.training import lr_at_round
+from fedspear.server.schedule import lr_at_round
 
 
 def test_defaults_are_valid_and_resolve_per_task():

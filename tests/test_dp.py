@@ -15,14 +15,15 @@ import numpy as np
 import pytest
 from flwr.app import ConfigRecord, Context, Message, MessageType, RecordDict
 
-from fedspear.aggregation import fixed_denominator_mean
+from fedspear.server.aggregation import fixed_denominator_mean
 from fedspear.config import ConfigError, RunConfig
 from fedspear.fl.privacy import STATE_FILE, PrivacyLedger, PrivateRounds, noise_rng, reply_norm_bound
 from fedspear.fl.server_app import _count_unrecorded_release, _resume_ledger, _round_record
-from fedspear.fl.strategy import LAYOUT_KEY, WinWeightedFedAvg, from_record, layout_of, to_record
+from fedspear.fl.records import LAYOUT_KEY, from_record, layout_of, to_record
+from fedspear.fl.strategy import WinWeightedFedAvg
 from fedspear.rundir import RunDir, RunDirError
-from fedspear.server_opt import ServerOptState, fedadam_step
-from fedspear.validation import update_norm
+from fedspear.server.server_opt import ServerOptState, fedadam_step
+from fedspear.server.validation import update_norm
 
 from helpers import error_reply, train_reply
 
@@ -135,7 +136,7 @@ def test_fixed_denominator_mean_holds_every_update_to_c_itself():
         fixed_denominator_mean(theta, clients, [1, 1], 2, clip_norm=0.0)
 
 
-# ---- (a) clipping, checked where the server receives the replies ------------------------------------------------------
+# ---- (a) clipping, checked where the server receives the replies -----------------------------------------------------
 def test_server_side_clipping_bounds_every_update_the_strategy_receives():
     """dp = server, z = 0 (no noise, so the average is checked exactly): updates of norm 10, 3, 0.5 and C = 1. The
     replies the inner strategy aggregates (``last_replies``, after Flower's clipping) have ‖Δ_k‖ ≤ C; the first two
@@ -509,6 +510,7 @@ def test_a_dp_run_killed_mid_round_resumes_to_the_same_adapter_and_epsilon(tmp_p
     assert set(a) == set(b) and max(float(np.max(np.abs(a[k] - b[k]))) for k in a) <= 1e-6
     first, again = _records(whole)[1:], _records(killed)[1:]
     assert [(r["dp_releases"], r["dp_epsilon"]) for r in first] == [(r["dp_releases"], r["dp_epsilon"]) for r in again]
-    assert [r["dp_releases"] for r in first] == [1, 2, 3] and first[0]["dp_epsilon"] == pytest.approx(4.728507, abs=1e-6)
+    assert ([r["dp_releases"] for r in first] == [1, 2, 3]
+            and first[0]["dp_epsilon"] == pytest.approx(4.728507, abs=1e-6))
     norms = [c["update_norm"] for r in first for c in r["clients"]]
     assert len(norms) == 6 and all(n == pytest.approx(1e-3, rel=1e-3) for n in norms), norms

@@ -9,13 +9,15 @@ import pytest
 from flwr.app import ConfigRecord, Context, Message, MessageType, MetricRecord, RecordDict
 
 from fedspear.config import RunConfig
-from fedspear.fl.strategy import LAYOUT_KEY, WinWeightedFedAvg, from_record, layout_of, to_record
+from fedspear.fl.records import LAYOUT_KEY, from_record, layout_of, to_record
+from fedspear.fl.strategy import WinWeightedFedAvg
 
 pytestmark = pytest.mark.usefixtures("task_identity")
 
 
 def _reply(delta: float, wins: int, base: np.ndarray) -> Message:
-    content = RecordDict({"arrays": to_record({"w": base + delta}), "metrics": MetricRecord({"weight": wins, "num-wins": wins, "num-losses": 0, "prompts": 4})})
+    content = RecordDict({"arrays": to_record({"w": base + delta}),
+                          "metrics": MetricRecord({"weight": wins, "num-wins": wins, "num-losses": 0, "prompts": 4})})
     return Message(content=content, dst_node_id=0, message_type=MessageType.TRAIN)
 
 
@@ -58,7 +60,7 @@ def test_sampling_is_seeded_and_waits_boundedly():
 def test_client_app_replies_with_adapter_copies_and_counters(monkeypatch, always_right):
     """One ClientApp call on the tiny model: the reply carries every LoRA tensor (all moved), num-wins, counters,
     and no text (only arrays and numbers)."""
-    import fedspear.client as client_module
+    import fedspear.worker as client_module
     from fedspear.fl import client_app
 
     monkeypatch.setattr(client_module, "make_feedback", lambda task, *args, **kwargs: always_right)
@@ -147,7 +149,8 @@ def test_no_raw_text_leaves_the_client(monkeypatch):
     assert set(reply.content.keys()) == {"arrays", "metrics"}
     assert not reply.content.config_records
     assert list(reply.content["arrays"].keys()) == ["adapter"]  # packed, layout in the config: test_adapter_packing
-    assert all(k.startswith("base_model.") and "lora_" in k for k in from_record(reply.content["arrays"], layout_of(start)))
+    assert all(k.startswith("base_model.") and "lora_" in k
+               for k in from_record(reply.content["arrays"], layout_of(start)))
     wire = recorddict_to_proto(reply.content).SerializeToString()
     texts = [t for t in seen if len(t.strip()) >= 12]
     assert texts, "the spy saw no text"
@@ -202,4 +205,5 @@ def test_adapter_packing_round_trips_and_refuses_bad_layouts():
         {"weight": 1, "num-wins": 1, "num-losses": 0, "prompts": 4})}), dst_node_id=0, message_type=MessageType.TRAIN)
     out, _ = strategy.aggregate_train(1, [good, bad])
     np.testing.assert_allclose(from_record(out, layout_of(base))["w"], 1.0)
-    assert list(strategy.rejected.values()) == ["packed adapter: the layout's tensor shapes hold 6 values, the buffer 5"]
+    assert list(strategy.rejected.values()) == [
+        "packed adapter: the layout's tensor shapes hold 6 values, the buffer 5"]

@@ -8,7 +8,7 @@ import math
 import numpy as np
 import pytest
 
-from fedspear.compare import Grid
+from fedspear.experiments.compare.grid import Grid
 from fedspear.config import ConfigError, RunConfig
 from fedspear.feedback import IRRELEVANT_HINTS, NoisyFeedback, OracleFeedback, make_feedback
 from fedspear.tasks import get_task
@@ -110,15 +110,14 @@ def test_config_keys_are_validated_and_are_compare_axes(tmp_path):
 def test_a_client_round_reports_the_users_mistakes():
     """Worker.round with p = 1 flips every verdict (tiny model, 3 prompts, N = 1): each attempt was judged once, so
     user_flips = generations, and every wrong-called answer got a hint."""
-    from fedspear.client import Worker
+    from fedspear.worker import Worker
     from fedspear.model import get_adapter
 
     cfg = RunConfig(model="tiny-random", num_clients=2, clients_per_round=1, rollouts_per_round=3, local_steps=1,
                     batch_size=2, max_new_tokens=4, lora_r=4, lora_alpha=8, lora_dropout=0.0, train_size=40,
                     max_revisions=1, user_flip_prob=1.0)
     worker = Worker.load(cfg)
-    worker.cfg = cfg.resolved()
-    _, metrics = worker.round(get_adapter(worker.model), list(range(20)), 0, 1, lr=1e-3)
+    _, metrics = worker.round(cfg, get_adapter(worker.model), list(range(20)), 0, 1, lr=1e-3)
     assert metrics["user_flips"] == metrics["generations"] > 0
     assert metrics["user_irrelevant_hints"] <= metrics["revisions_attempted"]
     assert np.isfinite(metrics["weight"])

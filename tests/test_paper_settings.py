@@ -79,7 +79,8 @@ def test_preset_equals_the_table_for_each_task_and_algorithm(task, algorithm):
 def test_per_task_values_differ_as_the_tables_say():
     """The values that used to be ARC's CPU defaults for every task now follow the task (issue 16 §3)."""
     sqa = load_config(preset="paper", task="strategy_qa")
-    assert (sqa.lr, sqa.lr_min, sqa.tau, sqa.rounds, sqa.clients_per_round, sqa.batch_size) == (1e-4, 5e-5, 24, 100, 5, 16)
+    assert ((sqa.lr, sqa.lr_min, sqa.tau, sqa.rounds, sqa.clients_per_round, sqa.batch_size)
+            == (1e-4, 5e-5, 24, 100, 5, 16))
     math = load_config(preset="paper", task="math_mcqa")
     assert (math.lr, math.batch_size, math.grad_accum, math.rounds, math.tau) == (5.05e-5, 4, 4, 50, 32)
     hs = load_config(preset="paper", task="hellaswag")

@@ -78,7 +78,8 @@ def test_client_round_reports_each_phase_up_to_its_total(recorded, tmp_path, alw
     # 3 prompts: the first right at once, the other two wrong then revised (one right): wins and losses to train on
     items = [worker.examples[i] for i in range(3)]
     script = {items[0].uid: [True], items[1].uid: [False, True], items[2].uid: [False, False]}
-    worker.round(start, [0, 1, 2], partition_id=1, server_round=4, lr=1e-3, feedback_source=scripted(script))
+    worker.round(worker.loaded, start, [0, 1, 2], partition_id=1, server_round=4, lr=1e-3,
+                 feedback_source=scripted(script))
 
     phases = [s["phase"] for s in recorded]
     order = [p for i, p in enumerate(phases) if p and (i == 0 or phases[i - 1] != p)]
@@ -88,7 +89,8 @@ def test_client_round_reports_each_phase_up_to_its_total(recorded, tmp_path, alw
     last = {p: [s for s in recorded if s["phase"] == p][-1] for p in order[:-1]}
     # generation: one batch per phase, its whole token budget (4) done at the end; training: 2 steps × 1 micro-step
     assert (last["initial answers"]["done"], last["initial answers"]["total"]) == (4, 4)
-    assert last["initial answers"]["unit"] == "tokens" and (last["revision 1"]["done"], last["revision 1"]["total"]) == (4, 4)
+    assert (last["initial answers"]["unit"] == "tokens"
+            and (last["revision 1"]["done"], last["revision 1"]["total"]) == (4, 4))
     assert (last["training"]["done"], last["training"]["total"], last["training"]["unit"]) == (2, 2, "micro-steps")
     # tokens are counted as they are decoded, not only at the end
     assert any(0 < s["done"] < 4 for s in recorded if s["phase"] == "initial answers")
@@ -142,7 +144,8 @@ def test_watcher_draws_one_row_per_busy_process(tmp_path):
     assert not bars.tasks  # a finished client's row goes away
     # a client left in round 1 (dropped mid-round) while the server is in round 2: no stale row
     (folder / "client-2.json").write_text(json.dumps(busy))
-    (folder / "server.json").write_text(json.dumps({**busy, "who": "server", "round": 2, "phase": "waiting for clients"}))
+    (folder / "server.json").write_text(json.dumps({**busy, "who": "server", "round": 2,
+                                                    "phase": "waiting for clients"}))
     watcher.refresh()
     assert [t.description.split(" · ")[1] for t in bars.tasks] == ["server"]
 

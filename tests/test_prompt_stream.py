@@ -1,11 +1,11 @@
-"""A client's prompt stream (fedspear.client.round_prompts): no item twice in one client-round (issue 16 §4)."""
+"""A client's prompt stream (fedspear.worker.round_prompts): no item twice in one client-round (issue 16 §4)."""
 
 from __future__ import annotations
 
 import random
 from collections import Counter
 
-from fedspear.client import derived_seed, round_prompts
+from fedspear.worker import derived_seed, round_prompts
 from fedspear.config import RunConfig
 
 

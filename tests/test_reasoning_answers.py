@@ -189,13 +189,13 @@ def test_tables_have_30_strings_per_task():
 @pytest.mark.parametrize(("completion", "expected"), MATH_TABLE)
 def test_math_mcqa_reads_only_an_explicit_final_answer(completion, expected):
     assert math_mcqa.extract_answer(completion, MATH) == expected
-    assert math_mcqa.is_correct(completion, MATH) == (expected == MATH.gold)
+    assert math_mcqa.is_correct(MATH, completion) == (expected == MATH.gold)
 
 
 @pytest.mark.parametrize(("completion", "expected"), SQA_TABLE)
 def test_strategy_qa_reads_only_an_explicit_final_answer(completion, expected):
     assert strategy_qa.extract_answer(completion, SQA) == expected
-    assert strategy_qa.is_correct(completion, SQA) == (expected == SQA.gold)
+    assert strategy_qa.is_correct(SQA, completion) == (expected == SQA.gold)
 
 
 def test_the_issue_strings_were_false_answers_under_the_short_answer_rule():
@@ -245,7 +245,7 @@ class ByteTokenizer:
 
 
 def scripted_generate(texts: list[str]):
-    """A stand-in for ``fedspear.interaction.generate`` that returns ``texts`` (+ EOS) in order."""
+    """A stand-in for ``fedspear.generation.generate`` that returns ``texts`` (+ EOS) in order."""
     tok = ByteTokenizer()
 
     def generate(model, tokenizer, contexts, **kwargs):

@@ -88,5 +88,6 @@ def test_sigkill_mid_round_then_resume_equals_an_uninterrupted_run(tmp_path):
     assert _stable(_records(whole)) == _stable(_records(killed))
     # FedAdam's moments were restored from the round-1 checkpoint, not restarted: 3 server steps in both runs
     states = [load_file(str(out / "adapters" / "round_0003" / "server_state.safetensors")) for out in (whole, killed)]
-    assert states[0]["step"].tolist() == states[1]["step"].tolist() == [sum(r["aggregated"] for r in _records(whole)[1:])]
+    assert states[0]["step"].tolist() == states[1]["step"].tolist() == [
+        sum(r["aggregated"] for r in _records(whole)[1:])]
     assert all(np.array_equal(states[0][k], states[1][k]) for k in states[0])

@@ -145,7 +145,7 @@ def test_opsd_round_uses_the_variant_t2_scaling(arc_items, always_right, monkeyp
     for variant, expected in (("authors", ("forward_kl", 2.0, True)), ("original", ("jsd", 1.1, False))):
         calls.clear()
         worker = make_worker(algorithm="opsd", opsd_variant=variant)
-        opsd.client_round(worker, arc_items[:2], lr=1e-2, seed=2, feedback=always_right)
+        opsd.client_round(worker, worker.loaded, arc_items[:2], lr=1e-2, seed=2, feedback=always_right)
         assert calls and set(calls) == {expected}
 
 
@@ -176,7 +176,7 @@ def first_step_ratios(algorithm, arc_items, monkeypatch, *, dropout: bool | None
     worker = make_worker(algorithm=algorithm, lora_dropout=0.1)
     assert any(m.p_eff > 0 for m in dropout_modules(worker.model) if hasattr(m, "p_eff"))
     nonzero_start(worker)
-    module.client_round(worker, arc_items[:2], lr=1e-2, seed=5, feedback=Alternate())
+    module.client_round(worker, worker.loaded, arc_items[:2], lr=1e-2, seed=5, feedback=Alternate())
     return torch.cat(calls)
 
 

@@ -7,9 +7,10 @@ import numpy as np
 import pytest
 from flwr.app import Message, MessageType, MetricRecord, RecordDict
 
-from fedspear.fl.strategy import WinWeightedFedAvg, from_record, layout_of, to_record
+from fedspear.fl.strategy import WinWeightedFedAvg
+from fedspear.fl.records import from_record, layout_of, to_record
 from fedspear.rundir import RunDir
-from fedspear.server_opt import ServerOptState, arrays_to_state, fedadam_step, fedyogi_step, state_to_arrays
+from fedspear.server.server_opt import ServerOptState, arrays_to_state, fedadam_step, fedyogi_step, state_to_arrays
 
 pytestmark = pytest.mark.usefixtures("task_identity")
 
@@ -53,7 +54,7 @@ def test_fedprox_pulls_the_local_update_towards_the_global_adapter(tiny, arc_ite
     from fedspear.model import get_adapter, set_adapter
     from fedspear.tasks import arc_challenge
     from fedspear.training import TrainSettings, local_train
-    from fedspear.validation import update_norm
+    from fedspear.server.validation import update_norm
 
     model, tok = tiny
     start = get_adapter(model)

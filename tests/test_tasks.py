@@ -78,11 +78,11 @@ def test_extract_yes_no(completion, expected):
 
 def test_is_correct_uses_the_example_labels():
     example = Example(uid="x", question="q", labels=("A", "B", "C"), options=("a", "b", "c"), gold="C")
-    assert arc_challenge.is_correct("Answer: C", example)
-    assert not arc_challenge.is_correct("Answer: D", example)
+    assert arc_challenge.is_correct(example, "Answer: C")
+    assert not arc_challenge.is_correct(example, "Answer: D")
     sqa = Example(uid="y", question="q", labels=("yes", "no"), options=(), gold="no")
-    assert strategy_qa.is_correct("Thinking... Answer: No", sqa)
-    assert not strategy_qa.is_correct("Answer: yes", sqa)
+    assert strategy_qa.is_correct(sqa, "Thinking... Answer: No")
+    assert not strategy_qa.is_correct(sqa, "Answer: yes")
 
 
 @pytest.mark.parametrize(
@@ -212,11 +212,15 @@ def test_shipped_counts(name, split, count):
 
 
 def test_task_constants():
-    expected = {"arc_challenge": (16, 2, True), "hellaswag": (16, 2, True), "strategy_qa": (256, 4, False),
-                "math_mcqa": (512, 4, False)}  # the reasoning tasks: the authors' budgets, issue 16
+    from fedspear.algorithms import spear
+
+    expected = {"arc_challenge": (16, 2, 0, True), "hellaswag": (16, 2, 0, True),
+                "strategy_qa": (256, 4, 24, False), "math_mcqa": (512, 4, 32, False)}  # budgets: issue 16
+    assert set(spear.TAU) == set(spear.MAX_LOSE_RATIO) == set(TASKS)
     for name, task in TASKS.items():
         assert task.NAME == name
-        assert (task.MAX_NEW_TOKENS, task.MAX_LOSE_RATIO, task.MULTIPLE_CHOICE) == expected[name]
+        assert (task.MAX_NEW_TOKENS, spear.MAX_LOSE_RATIO[name], spear.TAU[name],
+                task.MULTIPLE_CHOICE) == expected[name]
         assert task.TRAIN_SPLIT != task.EVAL_SPLIT
 
 

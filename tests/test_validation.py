@@ -5,8 +5,9 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from fedspear.fl.strategy import WinWeightedFedAvg, from_record, layout_of, to_record
-from fedspear.validation import check_reply, update_norm
+from fedspear.fl.strategy import WinWeightedFedAvg
+from fedspear.fl.records import from_record, layout_of, to_record
+from fedspear.server.validation import check_reply, update_norm
 
 from helpers import error_reply, train_reply
 
@@ -23,9 +24,9 @@ def test_a_well_formed_reply_passes():
 @pytest.mark.parametrize(
     ("arrays", "metrics", "bound", "reason"),
     [
-        ({"a": G["a"]}, OK, None, "tensor names differ"),
-        ({**G, "c": G["b"]}, OK, None, "tensor names differ"),
-        ({**G, "a": np.zeros((3, 2), np.float32)}, OK, None, "tensor a: shape (3, 2), expected (2, 3)"),
+        ({"a": G["a"]}, OK, None, "adapter layout differs from the global adapter's: missing ['b'], unexpected []"),
+        ({**G, "c": G["b"]}, OK, None, "missing [], unexpected ['c']"),
+        ({**G, "a": np.zeros((3, 2), np.float32)}, OK, None, "tensor 'a' has shape (3, 2), expected (2, 3)"),
         ({**G, "a": np.zeros((2, 3), np.float64)}, OK, None, "tensor a: dtype float64, expected float32"),
         ({**G, "b": np.array([1, np.nan, np.inf, 1], np.float32)}, OK, None, "tensor b: 2 non-finite values"),
         (G, {**OK, "num-wins": -1}, None, "counter num-wins = -1 is not a non-negative integer"),

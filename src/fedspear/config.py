@@ -19,16 +19,38 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
+from .algorithms import ALGORITHMS, spear
 from .tasks import TASKS, get_task
 
-ALGORITHMS = ("spear", "feedback_sft", "grpo", "opsd", "rltf_sd")
-
-# τ per task from the paper's appendix table (Math 32, ARC 0, StrategyQA 24, HellaSwag 0).
-PAPER_TAU = {"math_mcqa": 32, "arc_challenge": 0, "strategy_qa": 24, "hellaswag": 0}
 
 
 class ConfigError(ValueError):
     """A configuration key is unknown or its value is out of range. The message names the key and the range."""
+
+
+def snake_key(name: str) -> str:
+    """A key as Flower and the command line write it (``max-revisions``, ``num-wins``) → its Python name
+    (``max_revisions``, ``num_wins``): the one place kebab-case becomes snake_case."""
+    return name.strip().replace("-", "_")
+
+
+def parse_assignments(items: list[str], what: str = "--set") -> dict[str, Any]:
+    """``key=value`` strings → ``{key: value}``, keys through :func:`snake_key`, values parsed as TOML scalars
+    (numbers, booleans, quoted strings); a value TOML cannot read stays the bare string.
+
+    Raises:
+        ConfigError: an item has no ``=`` (the message names ``what`` and the item).
+    """
+    out = {}
+    for item in items:
+        if "=" not in item:
+            raise ConfigError(f"{what} expects key=value, got {item!r}")
+        key, raw = item.split("=", 1)
+        try:
+            out[snake_key(key)] = tomllib.loads(f"v = {raw}")["v"]
+        except tomllib.TOMLDecodeError:
+            out[snake_key(key)] = raw
+    return out
 
 
 def _meta(help: str, **check) -> dict:
@@ -40,85 +62,540 @@ class RunConfig:
     """Every setting of a ``fedspear run`` (flat keys; TOML files and CLI flags use the same names)."""
 
     # what to learn
-    task: str = field(default="arc_challenge", metadata=_meta("benchmark: " + ", ".join(sorted(TASKS)), choices=sorted(TASKS)))
-    model: str = field(default="smollm2-135m", metadata=_meta("packaged model name, local HF folder or hub id"))
-    dtype: str = field(default="auto", metadata=_meta("auto (bf16 where the device computes in it: a CPU with bf16 units, a CUDA GPU with bf16), bf16 or fp32", choices=["auto", "bf16", "fp32"]))
-    device: str = field(default="auto", metadata=_meta("where the model runs (clients and server evaluation): auto (a CUDA GPU when torch sees one, else the CPU), cpu or cuda; adapters travel as CPU arrays either way", choices=["auto", "cpu", "cuda"]))
-    seed: int = field(default=0, metadata=_meta("seed for partition, client sampling, generation and training", min=0))
-    algorithm: str = field(default="spear", metadata=_meta("client algorithm: spear (paper), or the baselines feedback_sft, grpo, opsd, rltf_sd (SPEC §5)", choices=list(ALGORITHMS)))
+    task: str = field(
+        default="arc_challenge",
+        metadata=_meta(
+            "benchmark: " + ", ".join(sorted(TASKS)),
+            choices=sorted(TASKS),
+        ),
+    )
+    model: str = field(
+        default="smollm2-135m",
+        metadata=_meta(
+            "packaged model name, local HF folder or hub id",
+        ),
+    )
+    dtype: str = field(
+        default="auto",
+        metadata=_meta(
+            "auto (bf16 where the device computes in it: a CPU with bf16 units, a CUDA GPU with bf16), bf16 or fp32",
+            choices=["auto", "bf16", "fp32"],
+        ),
+    )
+    device: str = field(
+        default="auto",
+        metadata=_meta(
+            "where the model runs (clients and server evaluation): auto (a CUDA GPU when torch sees one, else the "
+            "CPU), cpu or cuda; adapters travel as CPU arrays either way",
+            choices=["auto", "cpu", "cuda"],
+        ),
+    )
+    seed: int = field(
+        default=0,
+        metadata=_meta(
+            "seed for partition, client sampling, generation and training",
+            min=0,
+        ),
+    )
+    algorithm: str = field(
+        default="spear",
+        metadata=_meta(
+            "client algorithm: spear (paper), or the baselines feedback_sft, grpo, opsd, rltf_sd (SPEC §5)",
+            choices=list(ALGORITHMS),
+        ),
+    )
     # federation
-    rounds: int = field(default=4, metadata=_meta("FL rounds (paper 100 for ARC; CPU default 4)", min=1, max=100000))
-    num_clients: int = field(default=10, metadata=_meta("simulated clients (paper 50; CPU default 10)", min=1, max=10000))
-    clients_per_round: int = field(default=2, metadata=_meta("clients sampled each round (paper 3 for ARC; CPU default 2)", min=1))
-    dirichlet_alpha: float = field(default=1.0, metadata=_meta("Dirichlet α of the label split (paper 1.0)", gt=0))
-    partitioner: str = field(default="inner_dirichlet", metadata=_meta("how the train split is divided (fedspear.fl.partition): inner_dirichlet (equal sizes, Dir(α) label mix per client; always feasible) or dirichlet (each label split over clients by Dir(α); fails at 50+ clients here; the rule before 2026-11-25)", choices=["inner_dirichlet", "dirichlet"]))
-    max_empty_rounds: int = field(default=0, metadata=_meta("consecutive rounds with no accepted reply tolerated when sampled nodes dropped out (no reply, node unavailable); a round whose failures are all errors raised by the clients always stops the run", min=0))
+    rounds: int = field(
+        default=4,
+        metadata=_meta(
+            "FL rounds (paper 100 for ARC; CPU default 4)",
+            min=1,
+            max=100000,
+        ),
+    )
+    num_clients: int = field(
+        default=10,
+        metadata=_meta(
+            "simulated clients (paper 50; CPU default 10)",
+            min=1,
+            max=10000,
+        ),
+    )
+    clients_per_round: int = field(
+        default=2,
+        metadata=_meta(
+            "clients sampled each round (paper 3 for ARC; CPU default 2)",
+            min=1,
+        ),
+    )
+    dirichlet_alpha: float = field(
+        default=1.0,
+        metadata=_meta(
+            "Dirichlet α of the label split (paper 1.0)",
+            gt=0,
+        ),
+    )
+    partitioner: str = field(
+        default="inner_dirichlet",
+        metadata=_meta(
+            "how the train split is divided (fedspear.fl.partition): inner_dirichlet (equal sizes, Dir(α) label mix "
+            "per client; always feasible) or dirichlet (each label split over clients by Dir(α); fails at 50+ "
+            "clients here; the rule before 2026-11-25)",
+            choices=["inner_dirichlet", "dirichlet"],
+        ),
+    )
+    max_empty_rounds: int = field(
+        default=0,
+        metadata=_meta(
+            "consecutive rounds with no accepted reply tolerated when sampled nodes dropped out (no reply, node "
+            "unavailable); a round whose failures are all errors raised by the clients always stops the run",
+            min=0,
+        ),
+    )
     # interaction (SPEC §2)
-    rollouts_per_round: int = field(default=16, metadata=_meta("prompts each client answers per round, at most its partition size unless repeat_prompts (CPU default 16)", min=1))
-    repeat_prompts: bool = field(default=False, metadata=_meta("let a client ask the same prompt more than once in one round when rollouts_per_round exceeds its partition (the rule before 2026-11-25)"))
-    max_revisions: int = field(default=2, metadata=_meta("N, revision attempts per wrong answer (paper 2)", min=0, max=10))
-    temperature: float = field(default=0.8, metadata=_meta("sampling temperature (paper 0.8)", gt=0, max=5))
-    top_p: float = field(default=0.95, metadata=_meta("nucleus sampling p", gt=0, max=1))
-    max_new_tokens: int | None = field(default=None, metadata=_meta("tokens per attempt (None: the task's default)", min=1, max=4096))
+    rollouts_per_round: int = field(
+        default=16,
+        metadata=_meta(
+            "prompts each client answers per round, at most its partition size unless repeat_prompts (CPU default 16)",
+            min=1,
+        ),
+    )
+    repeat_prompts: bool = field(
+        default=False,
+        metadata=_meta(
+            "let a client ask the same prompt more than once in one round when rollouts_per_round exceeds its "
+            "partition (the rule before 2026-11-25)",
+        ),
+    )
+    max_revisions: int = field(
+        default=2,
+        metadata=_meta(
+            "N, revision attempts per wrong answer (paper 2)",
+            min=0,
+            max=10,
+        ),
+    )
+    temperature: float = field(
+        default=0.8,
+        metadata=_meta(
+            "sampling temperature (paper 0.8)",
+            gt=0,
+            max=5,
+        ),
+    )
+    top_p: float = field(
+        default=0.95,
+        metadata=_meta(
+            "nucleus sampling p",
+            gt=0,
+            max=1,
+        ),
+    )
+    max_new_tokens: int | None = field(
+        default=None,
+        metadata=_meta(
+            "tokens per attempt (None: the task's default)",
+            min=1,
+            max=4096,
+        ),
+    )
     # local training (SPEC §3)
-    mu: float = field(default=0.3, metadata=_meta("μ, unlikelihood confidence gate (paper 0.3)", gt=0, lt=1))
-    tau: int | None = field(default=None, metadata=_meta("τ, tail tokens (0 = whole completion; None: paper value per task)", min=0))
-    lambda_w: float = field(default=1.0, metadata=_meta("λ_w, win NLL weight (paper 1.0)", min=0))
-    lambda_l: float = field(default=0.1, metadata=_meta("λ_l, unlikelihood weight (paper 0.1)", min=0))
-    normalization: str = field(default="token", metadata=_meta("loss normalisation (SPEC §3)", choices=["token", "sequence"]))
-    lr: float = field(default=2e-4, metadata=_meta("peak learning rate (paper 5e-5 for ARC over 100 rounds; CPU default 2e-4 for 4 rounds)", gt=0, max=1))
-    lr_min: float = field(default=1e-5, metadata=_meta("cosine floor (paper 1e-5)", min=0, max=1))
-    warmup_ratio: float = field(default=0.1, metadata=_meta("share of rounds with linear warm-up (paper 0.1)", min=0, max=1))
-    local_steps: int = field(default=2, metadata=_meta("local optimiser steps per round (paper 5 for ARC; CPU default 2)", min=1))
-    batch_size: int = field(default=4, metadata=_meta("traces per win batch and per lose batch (paper 16; CPU default 4)", min=1))
-    grad_accum: int = field(default=1, metadata=_meta("gradient accumulation micro-batches (paper 1 for ARC)", min=1))
-    max_lose_ratio: int | None = field(default=None, metadata=_meta("cap |L| ≤ ratio·|W| (None: 2 ARC/HellaSwag, 4 Math/StrategyQA)", min=0))
-    lora_r: int = field(default=16, metadata=_meta("LoRA rank (paper 16)", min=1, max=1024))
-    lora_alpha: int = field(default=32, metadata=_meta("LoRA α (paper 32)", min=1))
-    lora_dropout: float = field(default=0.1, metadata=_meta("LoRA dropout (paper 0.1)", min=0, lt=1))
-    last_layers: int = field(default=0, metadata=_meta("adapt only the last H layers (0 = all)", min=0))
-    gradient_checkpointing: str = field(default="auto", metadata=_meta("recompute activations in the backward pass to save memory (auto: on for models over 1B parameters)", choices=["auto", "on", "off"]))
+    mu: float = field(
+        default=0.3,
+        metadata=_meta(
+            "μ, unlikelihood confidence gate (paper 0.3)",
+            gt=0,
+            lt=1,
+        ),
+    )
+    tau: int | None = field(
+        default=None,
+        metadata=_meta(
+            "τ, tail tokens (0 = whole completion; None: paper value per task)",
+            min=0,
+        ),
+    )
+    lambda_w: float = field(
+        default=1.0,
+        metadata=_meta(
+            "λ_w, win NLL weight (paper 1.0)",
+            min=0,
+        ),
+    )
+    lambda_l: float = field(
+        default=0.1,
+        metadata=_meta(
+            "λ_l, unlikelihood weight (paper 0.1)",
+            min=0,
+        ),
+    )
+    normalization: str = field(
+        default="token",
+        metadata=_meta(
+            "loss normalisation (SPEC §3)",
+            choices=["token", "sequence"],
+        ),
+    )
+    lr: float = field(
+        default=2e-4,
+        metadata=_meta(
+            "peak learning rate (paper 5e-5 for ARC over 100 rounds; CPU default 2e-4 for 4 rounds)",
+            gt=0,
+            max=1,
+        ),
+    )
+    lr_min: float = field(
+        default=1e-5,
+        metadata=_meta(
+            "cosine floor (paper 1e-5)",
+            min=0,
+            max=1,
+        ),
+    )
+    warmup_ratio: float = field(
+        default=0.1,
+        metadata=_meta(
+            "share of rounds with linear warm-up (paper 0.1)",
+            min=0,
+            max=1,
+        ),
+    )
+    local_steps: int = field(
+        default=2,
+        metadata=_meta(
+            "local optimiser steps per round (paper 5 for ARC; CPU default 2)",
+            min=1,
+        ),
+    )
+    batch_size: int = field(
+        default=4,
+        metadata=_meta(
+            "traces per win batch and per lose batch (paper 16; CPU default 4)",
+            min=1,
+        ),
+    )
+    grad_accum: int = field(
+        default=1,
+        metadata=_meta(
+            "gradient accumulation micro-batches (paper 1 for ARC)",
+            min=1,
+        ),
+    )
+    max_lose_ratio: int | None = field(
+        default=None,
+        metadata=_meta(
+            "cap |L| ≤ ratio·|W| (None: 2 ARC/HellaSwag, 4 Math/StrategyQA)",
+            min=0,
+        ),
+    )
+    lora_r: int = field(
+        default=16,
+        metadata=_meta(
+            "LoRA rank (paper 16)",
+            min=1,
+            max=1024,
+        ),
+    )
+    lora_alpha: int = field(
+        default=32,
+        metadata=_meta(
+            "LoRA α (paper 32)",
+            min=1,
+        ),
+    )
+    lora_dropout: float = field(
+        default=0.1,
+        metadata=_meta(
+            "LoRA dropout (paper 0.1)",
+            min=0,
+            lt=1,
+        ),
+    )
+    last_layers: int = field(
+        default=0,
+        metadata=_meta(
+            "adapt only the last H layers (0 = all)",
+            min=0,
+        ),
+    )
+    gradient_checkpointing: str = field(
+        default="auto",
+        metadata=_meta(
+            "recompute activations in the backward pass to save memory (auto: on for models over 1B parameters)",
+            choices=["auto", "on", "off"],
+        ),
+    )
     # baselines (SPEC §5; defaults from the paper's appendix baseline tables, see fedspear.algorithms)
-    group_size: int | None = field(default=None, metadata=_meta("GRPO / RLTF-SD samples per prompt (None: the paper's table, 2 Math/StrategyQA, 4 ARC/HellaSwag)", min=1, max=64))
-    kl_beta: float | None = field(default=None, metadata=_meta("GRPO / RLTF-SD k3 KL weight β (None: the paper's table, 0.02; 0.1 StrategyQA)", min=0))
-    clip_eps: float = field(default=0.2, metadata=_meta("GRPO / RLTF-SD PPO clip range ε (paper 0.2)", gt=0, lt=1))
-    opsd_variant: str = field(default="original", metadata=_meta("OPSD: original (JSD β 0.5, T 1.1, base-model teacher) or authors (forward KL, T 2, current-model teacher)", choices=["original", "authors"]))
-    rltf_gamma: float = field(default=1.0, metadata=_meta("RLTF-SD γ, weight of the second-turn reward (paper 1.0)", min=0))
-    rltf_sd_coef: float = field(default=0.1, metadata=_meta("RLTF-SD self-distillation coefficient (paper 0.1)", min=0))
-    rltf_rl_coef: float = field(default=1.0, metadata=_meta("RLTF-SD RL coefficient (paper 1.0)", min=0))
+    group_size: int | None = field(
+        default=None,
+        metadata=_meta(
+            "GRPO / RLTF-SD samples per prompt (None: the paper's table, 2 Math/StrategyQA, 4 ARC/HellaSwag)",
+            min=1,
+            max=64,
+        ),
+    )
+    kl_beta: float | None = field(
+        default=None,
+        metadata=_meta(
+            "GRPO / RLTF-SD k3 KL weight β (None: the paper's table, 0.02; 0.1 StrategyQA)",
+            min=0,
+        ),
+    )
+    clip_eps: float = field(
+        default=0.2,
+        metadata=_meta(
+            "GRPO / RLTF-SD PPO clip range ε (paper 0.2)",
+            gt=0,
+            lt=1,
+        ),
+    )
+    opsd_variant: str = field(
+        default="original",
+        metadata=_meta(
+            "OPSD: original (JSD β 0.5, T 1.1, base-model teacher) or authors (forward KL, T 2, current-model "
+            "teacher)",
+            choices=["original", "authors"],
+        ),
+    )
+    rltf_gamma: float = field(
+        default=1.0,
+        metadata=_meta(
+            "RLTF-SD γ, weight of the second-turn reward (paper 1.0)",
+            min=0,
+        ),
+    )
+    rltf_sd_coef: float = field(
+        default=0.1,
+        metadata=_meta(
+            "RLTF-SD self-distillation coefficient (paper 0.1)",
+            min=0,
+        ),
+    )
+    rltf_rl_coef: float = field(
+        default=1.0,
+        metadata=_meta(
+            "RLTF-SD RL coefficient (paper 1.0)",
+            min=0,
+        ),
+    )
     # aggregation and robustness (SPEC §4)
-    strategy: str = field(default="fedavg", metadata=_meta("FL strategy: fedavg (paper), fedprox, fedadam, fedyogi", choices=["fedavg", "fedprox", "fedadam", "fedyogi"]))
-    mu_prox: float = field(default=1e-3, metadata=_meta("FedProx proximal weight μ_prox (paper 1e-3)", min=0))
-    server_lr: float = field(default=1e-3, metadata=_meta("FedAdam/FedYogi server learning rate η (paper silent; fedspear default)", gt=0))
-    server_beta1: float = field(default=0.9, metadata=_meta("FedAdam/FedYogi β1 (paper 0.9)", min=0, lt=1))
-    server_beta2: float = field(default=0.99, metadata=_meta("FedAdam/FedYogi β2 (paper 0.99)", min=0, lt=1))
-    server_tau: float = field(default=0.005, metadata=_meta("FedAdam/FedYogi adaptivity τ (paper 0.005)", gt=0))
-    aggregation: str = field(default="fedavg", metadata=_meta("fedavg (win-weighted, paper), or the robust median / trimmed_mean", choices=["fedavg", "median", "trimmed_mean"]))
-    trim_beta: float = field(default=0.2, metadata=_meta("share cut at each end by trimmed_mean", min=0, lt=0.5))
-    max_update_norm: float | None = field(default=None, metadata=_meta("reject a client update with ‖θ_k − θ‖₂ above this (None: no bound)", gt=0))
+    strategy: str = field(
+        default="fedavg",
+        metadata=_meta(
+            "FL strategy: fedavg (paper), fedprox, fedadam, fedyogi",
+            choices=["fedavg", "fedprox", "fedadam", "fedyogi"],
+        ),
+    )
+    mu_prox: float = field(
+        default=1e-3,
+        metadata=_meta(
+            "FedProx proximal weight μ_prox (paper 1e-3)",
+            min=0,
+        ),
+    )
+    server_lr: float = field(
+        default=1e-3,
+        metadata=_meta(
+            "FedAdam/FedYogi server learning rate η (paper silent; fedspear default)",
+            gt=0,
+        ),
+    )
+    server_beta1: float = field(
+        default=0.9,
+        metadata=_meta(
+            "FedAdam/FedYogi β1 (paper 0.9)",
+            min=0,
+            lt=1,
+        ),
+    )
+    server_beta2: float = field(
+        default=0.99,
+        metadata=_meta(
+            "FedAdam/FedYogi β2 (paper 0.99)",
+            min=0,
+            lt=1,
+        ),
+    )
+    server_tau: float = field(
+        default=0.005,
+        metadata=_meta(
+            "FedAdam/FedYogi adaptivity τ (paper 0.005)",
+            gt=0,
+        ),
+    )
+    aggregation: str = field(
+        default="fedavg",
+        metadata=_meta(
+            "fedavg (win-weighted, paper), or the robust median / trimmed_mean",
+            choices=["fedavg", "median", "trimmed_mean"],
+        ),
+    )
+    trim_beta: float = field(
+        default=0.2,
+        metadata=_meta(
+            "share cut at each end by trimmed_mean",
+            min=0,
+            lt=0.5,
+        ),
+    )
+    max_update_norm: float | None = field(
+        default=None,
+        metadata=_meta(
+            "reject a client update with ‖θ_k − θ‖₂ above this (None: no bound)",
+            gt=0,
+        ),
+    )
     # differential privacy (central DP with fixed clipping, Flower's wrappers; fedspear.fl.privacy)
-    dp: str = field(default="off", metadata=_meta("central differential privacy: off, client (each client clips its update, Flower's fixedclipping_mod) or server (the server clips every update); both add Gaussian noise σ = z·C/clients_per_round to the average and report ε per round (fedspear.fl.privacy)", choices=["off", "client", "server"]))
-    dp_noise_multiplier: float = field(default=1.0, metadata=_meta("DP noise multiplier z: noise std σ = z·C/clients_per_round (McMahan et al. 2018; Flower recommends ≥ 1; 0 = clipping only, no guarantee)", min=0, max=1000))
-    dp_clip_norm: float = field(default=1.0, metadata=_meta("DP clipping norm C: each client update θ_k − θ^(t) is scaled to L2 norm ≤ C (fedspear default; pick it from the update norms of a run without DP)", gt=0))
-    dp_delta: float = field(default=1e-5, metadata=_meta("DP δ at which ε is reported; must be below 1/num_clients (1e-5: below 1/N for every N this config allows)", gt=0, lt=1))
-    dp_noise_seed: int | None = field(default=None, metadata=_meta("TESTS ONLY: seed of the DP noise. None (default) draws it from the OS's entropy every round; a seed written in config.toml makes the noise predictable and voids the guarantee", min=0))
+    dp: str = field(
+        default="off",
+        metadata=_meta(
+            "central differential privacy: off, client (each client clips its update, Flower's fixedclipping_mod) or"
+            " server (the server clips every update); both add Gaussian noise σ = z·C/clients_per_round to the "
+            "average and report ε per round (fedspear.fl.privacy)",
+            choices=["off", "client", "server"],
+        ),
+    )
+    dp_noise_multiplier: float = field(
+        default=1.0,
+        metadata=_meta(
+            "DP noise multiplier z: noise std σ = z·C/clients_per_round (McMahan et al. 2018; Flower recommends ≥ 1;"
+            " 0 = clipping only, no guarantee)",
+            min=0,
+            max=1000,
+        ),
+    )
+    dp_clip_norm: float = field(
+        default=1.0,
+        metadata=_meta(
+            "DP clipping norm C: each client update θ_k − θ^(t) is scaled to L2 norm ≤ C (fedspear default; pick it "
+            "from the update norms of a run without DP)",
+            gt=0,
+        ),
+    )
+    dp_delta: float = field(
+        default=1e-5,
+        metadata=_meta(
+            "DP δ at which ε is reported; must be below 1/num_clients (1e-5: below 1/N for every N this config "
+            "allows)",
+            gt=0,
+            lt=1,
+        ),
+    )
+    dp_noise_seed: int | None = field(
+        default=None,
+        metadata=_meta(
+            "TESTS ONLY: seed of the DP noise. None (default) draws it from the OS's entropy every round; a seed "
+            "written in config.toml makes the noise predictable and voids the guarantee",
+            min=0,
+        ),
+    )
     # evaluation (SPEC §6)
-    eval_every: int = field(default=2, metadata=_meta("evaluate every k rounds (and at round 0 and the last)", min=1))
-    eval_size: int = field(default=100, metadata=_meta("held-out items evaluated (0 = the whole split; CPU default 100)", min=0))
-    eval_gen_size: int = field(default=0, metadata=_meta("items of the evaluated set also answered by generation (0 = all); log-likelihood scores all", min=0))
-    round0_from: str | None = field(default=None, metadata=_meta("run directory whose round-0 evaluation is reused when model, task, data and evaluation settings match and both start adapters are the identity (LoRA B = 0); `fedspear compare` sets it"))
-    eval_generation: bool = field(default=True, metadata=_meta("also measure greedy-generation accuracy"))
-    eval_batch_size: int = field(default=32, metadata=_meta("held-out items generated (or scored) together; larger batches answer faster on a CPU, padding may shift a bf16 answer by a token", min=1, max=1024))
+    eval_every: int = field(
+        default=2,
+        metadata=_meta(
+            "evaluate every k rounds (and at round 0 and the last)",
+            min=1,
+        ),
+    )
+    eval_size: int = field(
+        default=100,
+        metadata=_meta(
+            "held-out items evaluated (0 = the whole split; CPU default 100)",
+            min=0,
+        ),
+    )
+    eval_gen_size: int = field(
+        default=0,
+        metadata=_meta(
+            "items of the evaluated set also answered by generation (0 = all); log-likelihood scores all",
+            min=0,
+        ),
+    )
+    round0_from: str | None = field(
+        default=None,
+        metadata=_meta(
+            "run directory whose round-0 evaluation is reused when model, task, data and evaluation settings match "
+            "and both start adapters are the identity (LoRA B = 0); `fedspear compare` sets it",
+        ),
+    )
+    eval_generation: bool = field(
+        default=True,
+        metadata=_meta(
+            "also measure greedy-generation accuracy",
+        ),
+    )
+    eval_batch_size: int = field(
+        default=32,
+        metadata=_meta(
+            "held-out items generated (or scored) together; larger batches answer faster on a CPU, padding may shift"
+            " a bf16 answer by a token",
+            min=1,
+            max=1024,
+        ),
+    )
     # data and output
-    train_size: int = field(default=0, metadata=_meta("train items partitioned over clients (0 = the whole split)", min=0))
-    data_dir: str | None = field(default=None, metadata=_meta("folder with full offline copies (laid out like shared/data)"))
-    skip_bad_records: bool = field(default=False, metadata=_meta("skip (and count) malformed data records instead of stopping"))
-    data_source: str = field(default="offline", metadata=_meta("offline (shipped / data_dir) or hub", choices=["offline", "hub"]))
-    output_dir: str = field(default="runs/default", metadata=_meta("run directory (re-running into it resumes)"))
-    tensorboard: bool = field(default=False, metadata=_meta("also write each round's metrics as TensorBoard scalars into <output_dir>/tensorboard (needs the extra fedspear[tensorboard])"))
-    user_flip_prob: float = field(default=0.0, metadata=_meta("noisy simulated user: probability p of flipping the verdict (0 = the exact oracle)", min=0, max=1))
-    user_irrelevant_prob: float = field(default=0.0, metadata=_meta("noisy simulated user: probability q of an irrelevant hint", min=0, max=1))
-    round_timeout: float = field(default=3600.0, metadata=_meta("seconds the server waits for a round's replies", gt=0))
+    train_size: int = field(
+        default=0,
+        metadata=_meta(
+            "train items partitioned over clients (0 = the whole split)",
+            min=0,
+        ),
+    )
+    data_dir: str | None = field(
+        default=None,
+        metadata=_meta(
+            "folder with full offline copies (laid out like shared/data)",
+        ),
+    )
+    skip_bad_records: bool = field(
+        default=False,
+        metadata=_meta(
+            "skip (and count) malformed data records instead of stopping",
+        ),
+    )
+    data_source: str = field(
+        default="offline",
+        metadata=_meta(
+            "offline (shipped / data_dir) or hub",
+            choices=["offline", "hub"],
+        ),
+    )
+    output_dir: str = field(
+        default="runs/default",
+        metadata=_meta(
+            "run directory (re-running into it resumes)",
+        ),
+    )
+    tensorboard: bool = field(
+        default=False,
+        metadata=_meta(
+            "also write each round's metrics as TensorBoard scalars into <output_dir>/tensorboard (needs the extra "
+            "fedspear[tensorboard])",
+        ),
+    )
+    user_flip_prob: float = field(
+        default=0.0,
+        metadata=_meta(
+            "noisy simulated user: probability p of flipping the verdict (0 = the exact oracle)",
+            min=0,
+            max=1,
+        ),
+    )
+    user_irrelevant_prob: float = field(
+        default=0.0,
+        metadata=_meta(
+            "noisy simulated user: probability q of an irrelevant hint",
+            min=0,
+            max=1,
+        ),
+    )
+    round_timeout: float = field(
+        default=3600.0,
+        metadata=_meta(
+            "seconds the server waits for a round's replies",
+            gt=0,
+        ),
+    )
 
     def __post_init__(self) -> None:
         for f in fields(self):
@@ -138,9 +615,9 @@ class RunConfig:
         task = get_task(self.task)
         return dataclasses.replace(
             self,
-            tau=PAPER_TAU[self.task] if self.tau is None else self.tau,
+            tau=spear.TAU[self.task] if self.tau is None else self.tau,
             max_new_tokens=self.max_new_tokens or task.MAX_NEW_TOKENS,
-            max_lose_ratio=task.MAX_LOSE_RATIO if self.max_lose_ratio is None else self.max_lose_ratio,
+            max_lose_ratio=spear.MAX_LOSE_RATIO[self.task] if self.max_lose_ratio is None else self.max_lose_ratio,
         )
 
     def to_dict(self) -> dict[str, Any]:

@@ -24,8 +24,9 @@ import numpy as np
 import torch
 
 from . import progress
-from .interaction import generate, render, shared_prefix_length
-from .model import autocast, model_device
+from .generation import generate, shared_prefix_length
+from .interaction import render
+from .model import autocast, model_device, pad_id
 from .tasks.base import Example
 
 if TYPE_CHECKING:
@@ -82,7 +83,7 @@ def next_token_logits(model, tokenizer, contexts: Sequence[Sequence[int]], *, dt
     device = model_device(model)
     if not contexts:
         return torch.zeros(0, 0, device=device)
-    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    pad = pad_id(tokenizer)
     base = model.get_base_model() if hasattr(model, "get_base_model") else model
     decoder, head = base.get_decoder(), base.get_output_embeddings()
     prefix = shared_prefix_length(contexts) if reuse_prefix else 0
@@ -151,7 +152,7 @@ def evaluate(model, tokenizer, examples: Sequence[Example], task, *, dtype_used:
         within it, ``cutoff_gen``) and the predicted-label distribution
         (``pred_<label>`` counts) so a shift of the label prior is visible. ``correct_<name>`` holds the outcome
         per item in evaluation order ("1" right, "0" wrong; a string of length ``n`` or ``n_gen``), so evaluations
-        of the same items can be compared item by item (``fedspear.compare.paired_gain``).
+        of the same items can be compared item by item (``fedspear.experiments.compare.stats.paired_gain``).
 
     ``answers``, when a list is given, receives one dict per item in evaluation order: ``uid``, ``gold`` and, for
     each metric computed on that item, the answer and its verdict (``answer_gen``: the label read from the greedy
@@ -240,9 +241,8 @@ class Evaluator:
     """
 
     def __init__(self, cfg: "RunConfig", split: str | None = None, limit: int | None = None):
-        from .client import load_split
         from .model import LoraSettings, add_lora, load_base
-        from .tasks import get_task
+        from .tasks import get_task, load_split
 
         self.cfg = cfg
         self.task = get_task(cfg.task)

@@ -5,7 +5,7 @@ SPEC §2 (paper Alg. 1, lines 5–11): after each attempt the client asks ``is_c
 knows the gold answer and writes the appendix feedback templates without ever revealing it (SPEC §2 no-leak
 decision). ``NoisyFeedback`` is that user made unreliable (the paper's stated limitation): it flips the verdict
 with probability p and gives an irrelevant hint with probability q. In deployment, anything with the same two
-methods fits: ``fedspear.human.HumanFeedback`` replays what a person said in ``fedspear chat``.
+methods fits: ``fedspear.human.replay.HumanFeedback`` replays what a person said in ``fedspear chat``.
 
 Core module: no torch, no flwr.
 """
@@ -51,7 +51,7 @@ class OracleFeedback:
 
     def is_correct(self, example: Example, completion: str) -> bool:
         """The task's IsCorrect: the extracted final answer equals the gold label."""
-        return self.task.is_correct(completion, example)
+        return self.task.is_correct(example, completion)
 
     def feedback(self, example: Example, completion: str) -> str:
         """The task's feedback template for a wrong completion.

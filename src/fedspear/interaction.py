@@ -25,8 +25,9 @@ from typing import Sequence
 import torch
 
 from . import progress
+from .counters import INTERACTION
 from .feedback import FeedbackSource
-from .model import autocast, model_device
+from .generation import generate
 from .tasks.base import Example
 
 
@@ -47,6 +48,25 @@ class Trace:
     completion_ids: list[int]
     has_eos: bool
     alpha: float = 1.0
+
+
+def make_trace(uid: str, context: list[int], completion: list[int], eos: int, alpha: float = 1.0) -> Trace:
+    """A trace of ``completion`` after ``context`` (copies both; ``has_eos`` read off the completion's last id)."""
+    return Trace(uid, list(context), list(completion), bool(completion) and completion[-1] == eos, alpha)
+
+
+def decode(tokenizer, ids: list[int]) -> str:
+    """A completion's text as the feedback source reads it (special tokens dropped)."""
+    return tokenizer.decode(ids, skip_special_tokens=True)
+
+
+def sample_counted(model, tokenizer, contexts: Sequence[list[int]], counters: dict, **generation) -> list[list[int]]:
+    """:func:`fedspear.generation.generate` (``generation``: its keyword arguments) with the counters every algorithm
+    reports: ``generations`` (+1 per context) and ``tokens_generated``."""
+    ids = generate(model, tokenizer, contexts, **generation)
+    counters["generations"] += len(ids)
+    counters["tokens_generated"] += sum(len(x) for x in ids)
+    return ids
 
 
 @dataclass
@@ -92,118 +112,8 @@ def render(tokenizer, turns: Sequence[str]) -> list[int]:
 def new_counters(prompts: int) -> dict[str, float]:
     """The counters every algorithm reports (SPEC §6), zeroed; ``initial_samples`` starts at one per prompt
     (GRPO and RLTF-SD overwrite it with their group samples)."""
-    return dict(prompts=prompts, initial_samples=prompts, initial_correct=0, revisions_attempted=0,
-                revisions_successful=0, generations=0, tokens_generated=0, seconds_generate_initial=0.0,
-                seconds_generate_revisions=0.0)
-
-
-def shared_prefix_length(contexts: Sequence[Sequence[int]]) -> int:
-    """Number of leading tokens all ``contexts`` share, capped so every context keeps at least one token after it."""
-    if not contexts:
-        return 0
-    first, limit = contexts[0], min(len(c) for c in contexts) - 1
-    n = 0
-    while n < limit and all(c[n] == first[n] for c in contexts):
-        n += 1
-    return n
-
-
-class _DecodeSteps:
-    """A stopping criterion that never stops: it reports each decode step to ``fedspear.progress``."""
-
-    def __init__(self):
-        self.count = 0
-
-    def __call__(self, input_ids: torch.Tensor, scores, **kwargs) -> torch.Tensor:
-        self.count += 1
-        progress.advance()
-        return torch.zeros(input_ids.shape[0], dtype=torch.bool, device=input_ids.device)
-
-
-@torch.no_grad()
-def generate(
-    model,
-    tokenizer,
-    contexts: Sequence[list[int]],
-    *,
-    max_new_tokens: int,
-    dtype_used: str = "fp32",
-    do_sample: bool = True,
-    temperature: float = 0.8,
-    top_p: float = 0.95,
-    batch_size: int = 64,
-    first_logits: list[torch.Tensor] | None = None,
-    reuse_prefix: bool = True,
-) -> list[list[int]]:
-    """Sample one completion per context, batched with left padding and the KV cache.
-
-    Args:
-        contexts: token ids per prompt (lengths may differ).
-        max_new_tokens: generation budget per completion (tokens).
-        batch_size: most contexts per ``generate`` call (bounds memory; all pending prompts fit by default).
-        first_logits: if a list is given, the raw next-token logits at the first answer position are appended to
-            it, one float32 ``[V]`` tensor per context (log-likelihood scoring reuses the generation's prefill).
-        reuse_prefix: run the tokens all contexts of a batch share (chat template, system text, task instruction:
-            61 of ≈137 tokens for ARC with SmolLM2) once and hand their KV cache to every row. The rows are laid
-            out ``[prefix | left padding | own tokens]``; positions follow the attention mask, so each row sees what
-            it would see alone.
-    Returns:
-        One list of new token ids per context, cut after the first EOS (EOS kept).
-    """
-    eos = tokenizer.eos_token_id
-    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos
-    out: list[list[int]] = []
-    was_training = model.training
-    device = model_device(model)
-    model.eval()
-    # every batch's whole token budget up front, so the phase's ETA covers all of them; a batch that stops early
-    # (every row at EOS) counts its unused budget as done
-    progress.expect(-(-len(contexts) // batch_size) * max_new_tokens, "tokens")
-    for start in range(0, len(contexts), batch_size):
-        chunk = contexts[start : start + batch_size]
-        prefix = shared_prefix_length(chunk) if reuse_prefix and len(chunk) > 1 else 0
-        tails = [list(c[prefix:]) for c in chunk]
-        width = max(len(t) for t in tails)
-        input_ids = torch.full((len(chunk), prefix + width), pad, dtype=torch.long, device=device)  # [B, P + L]
-        attention = torch.zeros((len(chunk), prefix + width), dtype=torch.long, device=device)  # [B, P + L]
-        if prefix:
-            input_ids[:, :prefix] = torch.tensor(list(chunk[0][:prefix]), device=device)
-            attention[:, :prefix] = 1
-        for i, tail in enumerate(tails):
-            input_ids[i, prefix + width - len(tail) :] = torch.tensor(tail, device=device)
-            attention[i, prefix + width - len(tail) :] = 1
-        kwargs = dict(do_sample=do_sample, temperature=temperature, top_p=top_p) if do_sample else dict(
-            do_sample=False, temperature=None, top_p=None, top_k=None
-        )
-        steps = _DecodeSteps() if progress.active() else None
-        if steps is not None:
-            kwargs["stopping_criteria"] = [steps]
-        with autocast(dtype_used, device.type):
-            if prefix:
-                cache = model(input_ids=input_ids[:1, :prefix], use_cache=True).past_key_values
-                cache.batch_repeat_interleave(len(chunk))
-                kwargs["past_key_values"] = cache
-            generated = model.generate(
-                input_ids=input_ids,
-                attention_mask=attention,
-                max_new_tokens=max_new_tokens,
-                eos_token_id=eos,
-                pad_token_id=pad,
-                use_cache=True,
-                return_dict_in_generate=True,
-                output_logits=first_logits is not None,
-                **kwargs,
-            )
-        if steps is not None:
-            progress.advance(max_new_tokens - steps.count)  # a batch that ended early: its unused budget
-        if first_logits is not None:
-            first_logits.extend(generated.logits[0].float())  # B × [V]
-        for row in generated.sequences[:, prefix + width :].tolist():  # [B, new]
-            if eos in row:
-                row = row[: row.index(eos) + 1]
-            out.append(row)
-    model.train(was_training)
-    return out
+    return {**dict.fromkeys(INTERACTION, 0), "prompts": prompts, "initial_samples": prompts,
+            "seconds_generate_initial": 0.0, "seconds_generate_revisions": 0.0}
 
 
 def interact(
@@ -229,8 +139,8 @@ def interact(
         max_revisions: N, revision attempts per wrong answer (paper default 2).
         seed: seeds torch's sampler so a client-round is reproducible.
         replay: attempts sampled earlier, ``replay[i][n]`` = token ids of y_n for example i (a person's chat,
-            ``fedspear.human``): they are used instead of sampling, and a prompt whose attempts run out is treated
-            as never revised correctly. Counted as ``replayed_attempts``, not as generations.
+            ``fedspear.human.replay``): they are used instead of sampling, and a prompt whose attempts run out is
+            treated as never revised correctly. Counted as ``replayed_attempts``, not as generations.
     Returns:
         ``InteractionResult`` with the win set, the lose set (with α) and the counters.
     """
@@ -249,17 +159,14 @@ def interact(
         if replay is not None:
             counters["replayed_attempts"] += len(indices)
             return [list(replay[i][n]) for i in indices]
-        ids = generate(model, tokenizer, contexts, max_new_tokens=max_new_tokens, dtype_used=dtype_used,
-                       temperature=temperature, top_p=top_p)
-        counters["generations"] += len(ids)
-        counters["tokens_generated"] += sum(len(x) for x in ids)
-        return ids
+        return sample_counted(model, tokenizer, contexts, counters, max_new_tokens=max_new_tokens,
+                              dtype_used=dtype_used, temperature=temperature, top_p=top_p)
 
     def text(ids: list[int]) -> str:
-        return tokenizer.decode(ids, skip_special_tokens=True)
+        return decode(tokenizer, ids)
 
     def trace(i: int, ids: list[int], alpha: float = 1.0) -> Trace:
-        return Trace(examples[i].uid, c0[i], ids, bool(ids) and ids[-1] == eos, alpha)
+        return make_trace(examples[i].uid, c0[i], ids, eos, alpha)
 
     t = time.perf_counter()
     with progress.phase("initial answers"):

@@ -25,8 +25,9 @@ Paper defaults (appendix hyper-parameter tables, identical for Qwen2.5-1.5B and 
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
+import numpy as np
 import torch
 
 NORMALIZATIONS = ("token", "sequence")
@@ -384,3 +385,62 @@ def margin_lower_bound(
                         ("tail_len", tail_len)):
         _check_positive(name, value)
     return h_mu(mu) - eps * (1.0 / (lambda_w * win_len) + 1.0 / (lambda_l * alpha * tail_len))
+
+
+def fedprox_term(
+    params: Sequence[torch.Tensor] | Mapping[str, torch.Tensor],
+    global_params: Sequence[torch.Tensor | np.ndarray] | Mapping[str, torch.Tensor | np.ndarray],
+    mu_prox: float,
+) -> torch.Tensor:
+    """FedProx proximal term (Li et al. 2020, Eq. 2): ``(mu_prox / 2) * sum_k ||theta_k - theta_g,k||^2``.
+
+    Added to each client's local loss so its adapter stays near the broadcast one (SPEC §4; paper ``mu_prox =
+    1e-3``). Only the trainable (LoRA) tensors are passed -- the frozen base weights never move. The global
+    tensors are detached copies taken at the start of the round; the gradient w.r.t. ``theta`` is
+    ``mu_prox (theta - theta_g)``.
+
+    Args:
+        params: the live trainable tensors, a sequence or a name -> tensor mapping.
+        global_params: ``theta^(t)`` in the same structure (same order, or same names), tensors or numpy arrays;
+            moved to each parameter's device.
+        mu_prox: ``>= 0``.
+
+    Returns:
+        Scalar tensor (float32 at least, on the first parameter's device), differentiable w.r.t. ``params``;
+        0 (still attached) when ``mu_prox = 0``.
+
+    Raises:
+        ValueError: ``mu_prox`` negative or not finite; the two structures differ in length, names or shapes.
+    """
+    if isinstance(mu_prox, bool) or not isinstance(mu_prox, (int, float)) or not math.isfinite(mu_prox) or mu_prox < 0:
+        raise ValueError(f"mu_prox must be a finite number >= 0 (paper: 1e-3), got {mu_prox!r}")
+    if isinstance(params, Mapping) != isinstance(global_params, Mapping):
+        raise ValueError("params and global_params must both be sequences or both be name -> tensor mappings")
+    if isinstance(params, Mapping):
+        missing = sorted(set(params) - set(global_params))
+        extra = sorted(set(global_params) - set(params))
+        if missing or extra:
+            raise ValueError(f"global_params does not hold the same tensors as params: missing {missing[:5]}, "
+                             f"unexpected {extra[:5]}")
+        pairs = [(name, params[name], global_params[name]) for name in params]
+    else:
+        params, global_params = list(params), list(global_params)
+        if len(params) != len(global_params):
+            raise ValueError(f"got {len(params)} parameters but {len(global_params)} global tensors; they pair up one "
+                             f"to one")
+        pairs = [(str(i), p, g) for i, (p, g) in enumerate(zip(params, global_params))]
+    if not pairs:
+        raise ValueError("fedprox_term needs at least one parameter tensor")
+
+    total = None
+    for name, p, g in pairs:
+        if not torch.is_tensor(p):
+            raise ValueError(f"parameter {name!r} must be a torch tensor, got {type(p).__name__}")
+        p = p if p.dtype in (torch.float32, torch.float64) else p.float()
+        g = torch.as_tensor(g).detach().to(device=p.device, dtype=p.dtype)
+        if g.shape != p.shape:
+            raise ValueError(f"tensor {name!r}: parameter has shape {tuple(p.shape)}, global copy has "
+                             f"{tuple(g.shape)}")
+        sq = (p - g).pow(2).sum()
+        total = sq if total is None else total + sq.to(total.dtype)
+    return 0.5 * float(mu_prox) * total

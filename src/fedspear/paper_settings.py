@@ -20,7 +20,7 @@ What the tables do not say, and what fedspear takes (**Decision**, 2026-11-25, i
 - *Prompts per client-round* (``rollouts_per_round``) is not in the paper: local steps × batch size × gradient
   accumulation of SPEAR's table (80 for MathMCQA, ARC-Challenge and StrategyQA, 160 for HellaSwag), the same for
   every algorithm of a task so that all see the same interaction budget (SPEC §5); a client with fewer items asks
-  each once (``fedspear.client.round_prompts``).
+  each once (``fedspear.worker.round_prompts``).
 - *Revisions* N = 2 (paper §5 default); the client split is ``inner_dirichlet`` (``fedspear.fl.partition``).
 - The model stays the user's choice (the paper: Qwen2.5-1.5B and Llama-3.2-3B; ``--model``).
 """

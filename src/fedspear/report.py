@@ -227,7 +227,8 @@ def write_report(path: str | Path, records: Sequence[dict], cfg: RunConfig, dtyp
         "",
         "## Per round",
         "",
-        "| round | lr | prompts | initial acc | wins | losses | revisions (ok / tried) | tokens | loss win (or total) / lose "
+        "| round | lr | prompts | initial acc | wins | losses | revisions (ok / tried) | tokens | "
+        "loss win (or total) / lose "
         "| margin M_τ | gen s | train s | eval s | overhead s | round s |" + (" ε |" if dp else ""),
         "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|" + ("---|" if dp else ""),
     ]
@@ -236,7 +237,8 @@ def write_report(path: str | Path, records: Sequence[dict], cfg: RunConfig, dtyp
         lines.append(
             f"| {r['round']} | {r['lr']:.2e} | {r['prompts']} | {_fmt(initial_accuracy(r))} | {r['wins']} | "
             f"{r['losses']} | {r['revisions_successful']} / {r['revisions_attempted']} | {r['tokens_generated']} | "
-            f"{_fmt(r['loss_win'] if r.get('loss_win') is not None else r.get('loss'))} / {_fmt(r.get('loss_lose'))} | {_fmt(r.get('margin'))} | "
+            f"{_fmt(r['loss_win'] if r.get('loss_win') is not None else r.get('loss'))} / {_fmt(r.get('loss_lose'))} | "
+            f"{_fmt(r.get('margin'))} | "
             f"{s['generate_initial'] + s['generate_revisions']:.1f} | {s['train']:.1f} | {s['evaluate']:.1f} | "
             f"{s['flower_overhead']:.1f} | {s['round']:.1f} |" + (f" {epsilon_text(r)} |" if dp else "")
         )

@@ -208,7 +208,8 @@ class RunDir:
         tmp.mkdir(parents=True)
         save_file({k: np.ascontiguousarray(v) for k, v in arrays.items()}, str(tmp / "adapter_model.safetensors"))
         if server_state:
-            save_file({k: np.ascontiguousarray(v) for k, v in server_state.items()}, str(tmp / "server_state.safetensors"))
+            save_file({k: np.ascontiguousarray(v) for k, v in server_state.items()},
+                      str(tmp / "server_state.safetensors"))
         for name, value in (json_state or {}).items():
             (tmp / name).write_text(json.dumps(value, indent=1), encoding="utf-8")
         if peft_config is not None:
@@ -244,7 +245,8 @@ class RunDir:
         Raises:
             RunDirError: no adapter was saved for that round, or the file is damaged (names the path).
         """
-        return load_adapter_folder(self.adapter_dir(server_round), f"adapter of round {server_round}", "; cannot resume")
+        return load_adapter_folder(self.adapter_dir(server_round), f"adapter of round {server_round}",
+                                   "; cannot resume")
 
 
 def load_adapter_folder(folder: str | Path, what: str = "adapter", consequence: str = "") -> dict[str, np.ndarray]:

@@ -12,7 +12,6 @@ cosine decay to ``lr_min`` (paper appendix "Hyperparameter Settings (SPEAR)"; ``
 
 from __future__ import annotations
 
-import math
 import random
 import time
 from dataclasses import dataclass
@@ -23,29 +22,9 @@ import torch
 from . import losses as L
 from . import progress
 from .interaction import Trace
-from .model import FastDropout, autocast, model_device
-from .server_opt import fedprox_term
-
-
-def lr_at_round(server_round: int, total_rounds: int, lr: float, lr_min: float, warmup_ratio: float = 0.1) -> float:
-    """Learning rate for ``server_round`` (1-based): linear warm-up, then cosine decay to ``lr_min``.
-
-    Warm-up covers the first ``ceil(warmup_ratio · total_rounds)`` rounds, reaching ``lr`` at its last one; the
-    cosine then runs from ``lr`` (the round after warm-up) to ``lr_min`` (the last round).
-
-    Raises:
-        ValueError: ``server_round`` outside 1..total_rounds.
-    """
-    if not 1 <= server_round <= total_rounds:
-        raise ValueError(f"server_round must be in 1..{total_rounds} (got {server_round})")
-    warmup = math.ceil(warmup_ratio * total_rounds)
-    if server_round <= warmup:
-        return lr * server_round / warmup
-    span = total_rounds - warmup
-    if span <= 1:
-        return lr
-    progress = (server_round - warmup - 1) / (span - 1)
-    return lr_min + 0.5 * (lr - lr_min) * (1 + math.cos(math.pi * progress))
+from .cpu_kernels import FastDropout
+from .model import autocast, model_device, pad_id
+from .losses import fedprox_term
 
 
 @dataclass
@@ -80,6 +59,24 @@ class TrainSettings:
     max_grad_norm: float = 1.0
     prox_mu: float = 0.0
     dropout: bool = True
+
+    @classmethod
+    def from_config(cls, cfg, **changes) -> "TrainSettings":
+        """The local-training settings of a resolved ``RunConfig`` (SPEAR's; a baseline passes its ``changes``,
+        e.g. ``dropout=False``). ``prox_mu`` is the run's ``mu_prox`` under the FedProx strategy, else 0."""
+        values = dict(
+            local_steps=cfg.local_steps,
+            batch_size=cfg.batch_size,
+            grad_accum=cfg.grad_accum,
+            lambda_w=cfg.lambda_w,
+            lambda_l=cfg.lambda_l,
+            mu=cfg.mu,
+            tau=cfg.tau,
+            normalization=cfg.normalization,
+            max_lose_ratio=cfg.max_lose_ratio,
+            prox_mu=cfg.mu_prox if cfg.strategy == "fedprox" else 0.0,
+        )
+        return cls(**{**values, **changes})
 
 
 @dataclass
@@ -189,13 +186,14 @@ def completion_logprobs(model, batch: Batch, dtype_used: str) -> torch.Tensor:
     return torch.cat(parts)[inverse]  # [B, C] in batch order
 
 
-class _Cycler:
-    """Draws batches of ``size`` from ``items``, reshuffling (seeded) after each full pass."""
+class Cycler:
+    """Draws batches of ``size`` from ``items``, reshuffling (seeded) after each full pass; a batch never holds an
+    item twice unless ``items`` is shorter than ``size`` (then it is the whole list, each once)."""
 
-    def __init__(self, items: Sequence[Trace], size: int, rng: random.Random):
+    def __init__(self, items: Sequence, size: int, rng: random.Random):
         self.items, self.size, self.rng, self.order = list(items), size, rng, []
 
-    def next(self) -> list[Trace]:
+    def next(self) -> list:
         batch = []
         while len(batch) < min(self.size, len(self.items)):
             if not self.order:
@@ -305,8 +303,8 @@ def local_train(
     losses = cap_losses(losses, len(wins), settings.max_lose_ratio, seed) if use_lose else []
     stats["lose_used"] = len(losses)
     rng = random.Random(seed)
-    win_draw, lose_draw = _Cycler(wins, settings.batch_size, rng), _Cycler(losses, settings.batch_size, rng)
-    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    win_draw, lose_draw = Cycler(wins, settings.batch_size, rng), Cycler(losses, settings.batch_size, rng)
+    pad = pad_id(tokenizer)
     device = model_device(model)
 
     def micro_step() -> dict[str, torch.Tensor]:

@@ -3,35 +3,30 @@
 Every module exposes a typed ``Settings`` dataclass (defaults from the paper's appendix tables, cited there), a
 ``settings(cfg) -> Settings`` built from a :class:`fedspear.config.RunConfig`, and::
 
-    client_round(worker, examples, *, lr, seed, feedback) -> metrics
+    client_round(worker, cfg, examples, *, lr, seed, feedback) -> metrics
 
-which trains ``worker.model``'s adapter in place on one client's prompts for one round and returns the metrics the
-server logs. Every algorithm reports the same counters (``prompts``, ``initial_samples`` (first answers sampled: one
-per prompt, or a group per prompt for GRPO and RLTF-SD), ``initial_correct``, ``revisions_attempted``,
-``revisions_successful``, ``generations``, ``tokens_generated``, ``seconds_generate_initial``,
-``seconds_generate_revisions``, ``seconds_train``, ``steps``) plus ``weight`` — its aggregation weight (SPEC §5:
-the win count for SPEAR and Feedback SFT, the number of prompts for GRPO, OPSD and RLTF-SD) — and ``num-wins`` /
-``num-losses`` (correct / wrong traces it trained on or sampled).
+which trains ``worker.model``'s adapter in place on one client's prompts for one round, with the round's resolved
+settings ``cfg`` (passed down, never stored on the worker), and returns the metrics the server logs. Every algorithm
+reports the same counters (``prompts``, ``initial_samples`` (first answers sampled: one per prompt, or a group per
+prompt for GRPO and RLTF-SD), ``initial_correct``, ``revisions_attempted``, ``revisions_successful``, ``generations``,
+``tokens_generated``, ``seconds_generate_initial``, ``seconds_generate_revisions``, ``seconds_train``, ``steps``) plus
+``weight`` — its aggregation weight (SPEC §5: the win count for SPEAR and Feedback SFT, the number of prompts for GRPO,
+OPSD and RLTF-SD) — and ``num-wins`` / ``num-losses`` (correct / wrong traces it trained on or sampled).
 
 The shared ClientApp (:mod:`fedspear.fl.client_app`), data partition, evaluation and strategy are the same for all.
 """
 
 from __future__ import annotations
 
-from importlib import import_module
 from types import ModuleType
 
-from ..config import ALGORITHMS
+from . import feedback_sft, grpo, opsd, rltf_sd, spear
 
-__all__ = ["ALGORITHMS", "get_algorithm"]
-
-
-def get_algorithm(name: str) -> ModuleType:
-    """The algorithm module called ``name`` (one of ``ALGORITHMS``).
-
-    Raises:
-        ValueError: unknown name (the message lists the known ones).
-    """
-    if name not in ALGORITHMS:
-        raise ValueError(f"unknown algorithm {name!r}; choose one of {', '.join(ALGORITHMS)}")
-    return import_module(f"{__name__}.{name}")
+#: name (the ``algorithm`` run key) → its module; the order is the order of every comparison table's rows.
+ALGORITHMS: dict[str, ModuleType] = {
+    "spear": spear,
+    "feedback_sft": feedback_sft,
+    "grpo": grpo,
+    "opsd": opsd,
+    "rltf_sd": rltf_sd,
+}

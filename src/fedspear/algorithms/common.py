@@ -12,29 +12,22 @@ from typing import Sequence
 import torch
 
 from .. import progress
-from ..interaction import Trace, generate, new_counters, render
-from ..model import model_device
+from ..interaction import Trace, decode, new_counters, render, sample_counted
+from ..model import model_device, pad_id
 from ..tasks.base import Example
-from ..training import TrainSettings, completion_logprobs, optimise, pack
+from ..training import Cycler, TrainSettings, completion_logprobs, optimise, pack
 
 
-def pad_id(tokenizer) -> int:
-    return tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
-
-
-def sample(worker, contexts: Sequence[list[int]], counters: dict, phase: str) -> list[list[int]]:
-    """One sampled completion per context (the run's temperature / top-p / token budget), counted and timed.
+def sample(worker, cfg, contexts: Sequence[list[int]], counters: dict, phase: str) -> list[list[int]]:
+    """One sampled completion per context (``cfg``'s temperature / top-p / token budget), counted and timed.
 
     ``phase`` is ``"initial"`` or ``"revisions"`` (which ``seconds_generate_*`` counter the time goes to).
     """
-    cfg = worker.cfg
     t = time.perf_counter()
     with progress.phase("initial answers" if phase == "initial" else "revisions"):
-        ids = generate(worker.model, worker.tokenizer, contexts, max_new_tokens=cfg.max_new_tokens,
-                       dtype_used=worker.dtype_used, temperature=cfg.temperature, top_p=cfg.top_p)
+        ids = sample_counted(worker.model, worker.tokenizer, contexts, counters, max_new_tokens=cfg.max_new_tokens,
+                             dtype_used=worker.dtype_used, temperature=cfg.temperature, top_p=cfg.top_p)
     counters[f"seconds_generate_{phase}"] += time.perf_counter() - t
-    counters["generations"] += len(ids)
-    counters["tokens_generated"] += sum(len(x) for x in ids)
     return ids
 
 
@@ -44,12 +37,8 @@ def prompt_ids(worker, examples: Sequence[Example]) -> list[list[int]]:
     return [render(worker.tokenizer, [task.prompt(ex)]) for ex in examples]
 
 
-def make_trace(uid: str, context: list[int], completion: list[int], eos: int) -> Trace:
-    return Trace(uid, list(context), list(completion), bool(completion) and completion[-1] == eos)
-
-
 def text(worker, ids: list[int]) -> str:
-    return worker.tokenizer.decode(ids, skip_special_tokens=True)
+    return decode(worker.tokenizer, ids)
 
 
 @torch.no_grad()
@@ -96,18 +85,8 @@ def draw_batches(n_items: int, batch_size: int, count: int, seed: int) -> list[l
     All batches of a round are drawn up front, so the sampling-time ("old") and reference log-probabilities can be
     computed before the first optimiser step for exactly the items that will be used.
     """
-    rng = random.Random(seed)
-    order: list[int] = []
-    batches = []
-    for _ in range(count):
-        batch = []
-        while len(batch) < min(batch_size, n_items):
-            if not order:
-                order = list(range(n_items))
-                rng.shuffle(order)
-            batch.append(order.pop())
-        batches.append(batch)
-    return batches
+    draw = Cycler(range(n_items), batch_size, random.Random(seed))
+    return [draw.next() for _ in range(count)]
 
 
 def start_round(worker, examples: Sequence[Example], seed: int) -> tuple[int, int, dict[str, float], list[list[int]]]:

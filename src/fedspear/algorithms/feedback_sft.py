@@ -7,7 +7,6 @@ loss considerations", §5 Baselines). Aggregation weight: the win count |W|. Eve
 
 from __future__ import annotations
 
-import dataclasses
 from typing import Sequence
 
 from ..feedback import FeedbackSource
@@ -20,11 +19,11 @@ Settings = TrainSettings
 
 def settings(cfg) -> TrainSettings:
     """SPEAR's settings with ``lambda_l = 0`` (no lose-set term)."""
-    return dataclasses.replace(spear.settings(cfg), lambda_l=0.0)
+    return TrainSettings.from_config(cfg, lambda_l=0.0)
 
 
-def client_round(worker, examples: Sequence[Example], *, lr: float, seed: int,
+def client_round(worker, cfg, examples: Sequence[Example], *, lr: float, seed: int,
                  feedback: FeedbackSource, task=None, replay=None) -> dict[str, float]:
     """One Feedback-SFT client-round (same traces as SPEAR for the same seed; only the loss differs)."""
-    return spear.client_round(worker, examples, lr=lr, seed=seed, feedback=feedback, train=settings(worker.cfg),
+    return spear.client_round(worker, cfg, examples, lr=lr, seed=seed, feedback=feedback, train=settings(cfg),
                               task=task, replay=replay)

@@ -26,7 +26,6 @@ ARC-Challenge / StrategyQA / HellaSwag.
 
 from __future__ import annotations
 
-import dataclasses
 import time
 from dataclasses import dataclass
 from typing import Sequence
@@ -35,6 +34,7 @@ import torch
 
 from .. import baseline_losses as B
 from ..feedback import FeedbackSource
+from ..interaction import make_trace
 from ..model import model_device
 from ..tasks.base import Example
 from ..training import TrainSettings, completion_logprobs, pack
@@ -65,29 +65,27 @@ class Settings:
 
 def settings(cfg) -> Settings:
     """GRPO settings from a resolved ``RunConfig`` (``group_size`` / ``kl_beta`` None → the task's table value)."""
-    from . import spear
-
     return Settings(
         group_size=cfg.group_size or GROUP_SIZE[cfg.task],
         beta=KL_BETA[cfg.task] if cfg.kl_beta is None else cfg.kl_beta,
         eps=cfg.clip_eps,
-        train=dataclasses.replace(spear.settings(cfg), dropout=False),  # ratio against dropout-free old log-probs
+        train=TrainSettings.from_config(cfg, dropout=False),  # ratio against dropout-free old log-probs
     )
 
 
-def client_round(worker, examples: Sequence[Example], *, lr: float, seed: int,
+def client_round(worker, cfg, examples: Sequence[Example], *, lr: float, seed: int,
                  feedback: FeedbackSource) -> dict[str, float]:
     """One GRPO client-round. ``feedback`` is used only as the reward (its ``is_correct``); no feedback text."""
-    s, model = settings(worker.cfg), worker.model
+    s, model = settings(cfg), worker.model
     eos, pad, counters, c0 = common.start_round(worker, examples, seed)
     contexts = [c for c in c0 for _ in range(s.group_size)]  # prompt-major: [P·G]
-    completions = common.sample(worker, contexts, counters, "initial")
+    completions = common.sample(worker, cfg, contexts, counters, "initial")
     rewards = [float(feedback.is_correct(examples[k // s.group_size], common.text(worker, y)))
                for k, y in enumerate(completions)]
     counters["initial_correct"], counters["initial_samples"] = sum(rewards), len(rewards)
     device = model_device(model)
     advantages = B.grpo_advantages(torch.tensor(rewards, device=device).view(len(examples), s.group_size)).flatten()
-    traces = [common.make_trace(examples[k // s.group_size].uid, ctx, y, eos)
+    traces = [make_trace(examples[k // s.group_size].uid, ctx, y, eos)
               for k, (ctx, y) in enumerate(zip(contexts, completions))]
 
     t0 = time.perf_counter()

@@ -30,7 +30,7 @@ import torch
 
 from .. import baseline_losses as B
 from ..feedback import FeedbackSource
-from ..interaction import Trace, render
+from ..interaction import Trace, make_trace, render
 from ..model import model_device
 from ..tasks.base import Example
 from ..training import TrainSettings, completion_logits, pack
@@ -64,9 +64,7 @@ class Settings:
 
 
 def settings(cfg) -> Settings:
-    from . import spear
-
-    return Settings(**VARIANTS[cfg.opsd_variant], train=spear.settings(cfg))
+    return Settings(**VARIANTS[cfg.opsd_variant], train=TrainSettings.from_config(cfg))
 
 
 def loss(student_logits: torch.Tensor, teacher_logits: torch.Tensor, mask: torch.Tensor, s: Settings) -> torch.Tensor:
@@ -92,15 +90,15 @@ def privileged_prompt(task, example: Example) -> str:
     return "\n\n".join(parts)
 
 
-def client_round(worker, examples: Sequence[Example], *, lr: float, seed: int,
+def client_round(worker, cfg, examples: Sequence[Example], *, lr: float, seed: int,
                  feedback: FeedbackSource) -> dict[str, float]:
     """One OPSD client-round (``feedback`` only fills the ``initial_correct`` counter)."""
-    s, model, tok = settings(worker.cfg), worker.model, worker.tokenizer
+    s, model, tok = settings(cfg), worker.model, worker.tokenizer
     eos, pad, counters, c0 = common.start_round(worker, examples, seed)
-    completions = common.sample(worker, c0, counters, "initial")
+    completions = common.sample(worker, cfg, c0, counters, "initial")
     correct = [feedback.is_correct(ex, common.text(worker, y)) for ex, y in zip(examples, completions)]
     counters["initial_correct"] = sum(correct)
-    students = [common.make_trace(ex.uid, c, y, eos) for ex, c, y in zip(examples, c0, completions)]
+    students = [make_trace(ex.uid, c, y, eos) for ex, c, y in zip(examples, c0, completions)]
     teachers = [Trace(t.uid, render(tok, [privileged_prompt(worker.task, ex)]), t.completion_ids, t.has_eos)
                 for ex, t in zip(examples, students)]
 

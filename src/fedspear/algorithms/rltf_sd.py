@@ -30,7 +30,7 @@ import torch
 
 from .. import baseline_losses as B
 from ..feedback import FeedbackSource
-from ..interaction import render
+from ..interaction import make_trace, render
 from ..model import model_device
 from ..tasks.base import Example
 from ..training import TrainSettings, completion_logprobs, pack
@@ -52,17 +52,18 @@ class Settings:
 
 def settings(cfg) -> Settings:
     g = grpo.settings(cfg)
-    return Settings(g.group_size, g.beta, g.eps, cfg.rltf_gamma, cfg.rltf_sd_coef, cfg.rltf_rl_coef, g.train)
+    return Settings(group_size=g.group_size, beta=g.beta, eps=g.eps, gamma=cfg.rltf_gamma, sd_coef=cfg.rltf_sd_coef,
+                    rl_coef=cfg.rltf_rl_coef, train=g.train)
 
 
-def client_round(worker, examples: Sequence[Example], *, lr: float, seed: int,
+def client_round(worker, cfg, examples: Sequence[Example], *, lr: float, seed: int,
                  feedback: FeedbackSource) -> dict[str, float]:
     """One RLTF-SD client-round."""
-    s, model, tok, task = settings(worker.cfg), worker.model, worker.tokenizer, worker.task
+    s, model, tok, task = settings(cfg), worker.model, worker.tokenizer, worker.task
     n, p = s.group_size, len(examples)
     eos, pad, counters, c0 = common.start_round(worker, examples, seed)
     x0 = [c for c in c0 for _ in range(n)]  # prompt-major [P·N]
-    y0 = common.sample(worker, x0, counters, "initial")
+    y0 = common.sample(worker, cfg, x0, counters, "initial")
     ex_of = [examples[k // n] for k in range(p * n)]
     r0 = [float(feedback.is_correct(ex, common.text(worker, y))) for ex, y in zip(ex_of, y0)]
     counters["initial_correct"], counters["initial_samples"] = sum(r0), len(r0)
@@ -74,7 +75,7 @@ def client_round(worker, examples: Sequence[Example], *, lr: float, seed: int,
             f = feedback.feedback(ex_of[k], common.text(worker, y0[k]))
             contexts.append(render(tok, [task.prompt(ex_of[k]), common.text(worker, y0[k]), f]))
         counters["revisions_attempted"] = len(wrong)
-        revised = common.sample(worker, contexts, counters, "revisions")
+        revised = common.sample(worker, cfg, contexts, counters, "revisions")
         for k, ctx, y in zip(wrong, contexts, revised):
             x1[k], y1[k] = ctx, y
             r1[k] = float(feedback.is_correct(ex_of[k], common.text(worker, y)))
@@ -85,9 +86,9 @@ def client_round(worker, examples: Sequence[Example], *, lr: float, seed: int,
     a_rl0, a_rl1, a_sd = (a.flatten() for a in B.rltf_sd_advantages(
         torch.tensor(r0, device=device).view(p, n), torch.tensor(r1, device=device).view(p, n),
         continued.view(p, n), s.gamma))
-    first = [common.make_trace(ex.uid, x, y, eos) for ex, x, y in zip(ex_of, x0, y0)]
-    second = [common.make_trace(ex.uid, x, y, eos) for ex, x, y in zip(ex_of, x1, y1)]
-    distil = [common.make_trace(ex.uid, x, y, eos) for ex, x, y in zip(ex_of, x0, y1)]  # y1 under x0
+    first = [make_trace(ex.uid, x, y, eos) for ex, x, y in zip(ex_of, x0, y0)]
+    second = [make_trace(ex.uid, x, y, eos) for ex, x, y in zip(ex_of, x1, y1)]
+    distil = [make_trace(ex.uid, x, y, eos) for ex, x, y in zip(ex_of, x0, y1)]  # y1 under x0
 
     t0 = time.perf_counter()
     batches = common.draw_batches(p * n, s.train.batch_size, s.train.local_steps * s.train.grad_accum, seed)

@@ -16,25 +16,29 @@ from ..training import TrainSettings, local_train
 
 Settings = TrainSettings
 
+#: τ, the unlikelihood tail length per task (paper appendix table "Hyperparameter Settings (SPEAR)": Math 32, ARC 0,
+#: StrategyQA 24, HellaSwag 0; 0 = the whole completion). ``RunConfig.tau = None`` takes it.
+TAU = {"math_mcqa": 32, "arc_challenge": 0, "strategy_qa": 24, "hellaswag": 0}
+#: |L| ≤ ratio · |W| per task (SPEC §3: 2 for the letter-answer tasks, 4 where answers are reasoned).
+#: ``RunConfig.max_lose_ratio = None`` takes it.
+MAX_LOSE_RATIO = {"math_mcqa": 4, "arc_challenge": 2, "strategy_qa": 4, "hellaswag": 2}
+
 
 def settings(cfg) -> TrainSettings:
     """SPEAR's local-training settings from a resolved ``RunConfig``."""
-    return TrainSettings(cfg.local_steps, cfg.batch_size, cfg.grad_accum, cfg.lambda_w, cfg.lambda_l, cfg.mu,
-                         cfg.tau, cfg.normalization, cfg.max_lose_ratio,
-                         prox_mu=cfg.mu_prox if cfg.strategy == "fedprox" else 0.0)
+    return TrainSettings.from_config(cfg)
 
 
-def client_round(worker, examples: Sequence[Example], *, lr: float, seed: int, feedback: FeedbackSource,
+def client_round(worker, cfg, examples: Sequence[Example], *, lr: float, seed: int, feedback: FeedbackSource,
                  train: TrainSettings | None = None, task=None, replay=None) -> dict[str, float]:
     """One SPEAR client-round: interaction (Alg. 1 lines 3–25), then local training (lines 26–31).
 
     ``task`` (default: the run's task) renders the prompts; ``replay`` passes attempts a person already judged (see
-    :func:`fedspear.interaction.interact`; ``fedspear.human``) instead of sampling new ones.
+    :func:`fedspear.interaction.interact`; ``fedspear.human.replay``) instead of sampling new ones.
 
     Returns the interaction counters, the training metrics of :func:`fedspear.training.local_train`, ``num-wins``,
     ``num-losses`` and ``weight`` = |W|.
     """
-    cfg = worker.cfg
     result = interact(
         worker.model, worker.tokenizer, examples, task or worker.task, feedback,
         max_revisions=cfg.max_revisions, max_new_tokens=cfg.max_new_tokens, temperature=cfg.temperature,

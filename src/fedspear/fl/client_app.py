@@ -7,12 +7,12 @@ a fresh ClientApp process per message, so there the node config names a long-liv
 node-config key read here). Every reply's metrics carry ``model_loads`` and ``worker_pid``.
 The reply carries only LoRA tensors and counters (``weight`` is the aggregation weight) — never prompts,
 answers or feedback text. The adapter arrives as one flat Array whose layout is in the train config
-(``fedspear.fl.strategy.LAYOUT_KEY``); the reply packs the trained adapter in that same layout, so it holds the
+(``fedspear.fl.records.LAYOUT_KEY``); the reply packs the trained adapter in that same layout, so it holds the
 same single Array. Under ``dp = "client"`` Flower's ``fixedclipping_mod`` clips the reply's update before it leaves
 (``fedspear.fl.privacy.dp_clipping_mod``, on the train handler only).
 
 A node started with ``--node-config "partition-id=K trace-db=/path/traces.db"`` is a *human* node: instead of the
-dataset oracle it trains on the conversations people had in ``fedspear chat`` (``fedspear.human``), which stay in
+dataset oracle it trains on the conversations people had in ``fedspear chat`` (``fedspear.human.replay``), which stay in
 that SQLite file on the node.
 
 Fault injection (resilience tests only): ``FEDSPEAR_INJECT_FAULTS="P:KIND,..."`` makes the client with partition id P
@@ -30,11 +30,11 @@ import numpy as np
 from flwr.app import Context, Message, MetricRecord, RecordDict
 from flwr.clientapp import ClientApp
 
-from fedspear.client import Worker
+from fedspear.worker import Worker
 from fedspear.config import RunConfig
 from fedspear.fl.node_worker import NodeRunner, NodeSettings, partition_indices, remote_round
 from fedspear.fl.privacy import dp_clipping_mod
-from fedspear.fl.strategy import LAYOUT_KEY, from_record, to_record
+from fedspear.fl.records import LAYOUT_KEY, from_record, to_record
 
 app = ClientApp()
 

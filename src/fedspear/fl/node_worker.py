@@ -16,7 +16,7 @@ the reply::
 
 Node config keys the ClientApp reads (``NodeSettings``): ``partition-id`` (required), ``data-dir`` (this node's own
 data, laid out like ``shared/data``: the node trains on its whole train split instead of a Dirichlet slice),
-``trace-db`` (a ``fedspear chat`` trace store: the node trains on people's conversations, ``fedspear.human``),
+``trace-db`` (a ``fedspear chat`` trace store: the node trains on people's conversations, ``fedspear.human.replay``),
 ``worker-address`` and ``worker-key`` (both or neither).
 
 The wire between ClientApp and worker: ``multiprocessing.connection`` over TCP on the loopback interface, opened
@@ -47,10 +47,10 @@ from typing import Any, Mapping
 
 import numpy as np
 
-from fedspear.client import Worker
+from fedspear.worker import Worker
 from fedspear.config import RunConfig
 from fedspear.fl.partition import dirichlet_partitions
-from fedspear.traces import TraceStore
+from fedspear.human.store import TraceStore
 
 log = logging.getLogger("fedspear.node_worker")
 
@@ -76,7 +76,8 @@ class NodeSettings:
             ``worker-key`` is set (each message names the key and the fix).
         """
         if "partition-id" not in node:
-            raise ValueError("node config has no 'partition-id' (start the SuperNode with --node-config 'partition-id=K')")
+            raise ValueError("node config has no 'partition-id' "
+                             "(start the SuperNode with --node-config 'partition-id=K')")
         pid = int(node["partition-id"])
         if not 0 <= pid < num_clients:
             raise ValueError(f"partition-id {pid} is outside 0..{num_clients - 1} (num_clients = {num_clients})")
@@ -116,7 +117,6 @@ class NodeRunner:
             self.loads += 1
             log.info("pid %d: base model %s loaded in %.1f s (load %d of this process)", os.getpid(), cfg.model,
                      seconds, self.loads)
-        self.worker.cfg = cfg.resolved()  # per-round hyper-parameters may differ (same model)
         return self.worker, seconds
 
     def round(self, cfg: RunConfig, node: NodeSettings, arrays: dict[str, np.ndarray], server_round: int,
@@ -126,10 +126,11 @@ class NodeRunner:
             cfg = dataclasses.replace(cfg, data_dir=node.data_dir)
         worker, seconds = self.worker_for(cfg)
         if node.trace_db:  # people give feedback on this node: train on their stored conversations (fedspear chat)
-            out, metrics = worker.human_round(arrays, TraceStore(node.trace_db), node.partition_id, server_round, lr)
+            out, metrics = worker.human_round(cfg, arrays, TraceStore(node.trace_db), node.partition_id,
+                                              server_round, lr)
         else:
             indices = partition_indices(worker.examples, cfg, node.partition_id, local_data=bool(node.data_dir))
-            out, metrics = worker.round(arrays, indices, node.partition_id, server_round, lr)
+            out, metrics = worker.round(cfg, arrays, indices, node.partition_id, server_round, lr)
         metrics.update(model_loads=self.loads, worker_pid=os.getpid(), seconds_load_model=seconds)
         return out, metrics
 
@@ -216,7 +217,8 @@ def load_key(path: str | Path, create: bool = False) -> bytes:
         finally:
             tmp.unlink(missing_ok=True)
     if not path.is_file():
-        raise FileNotFoundError(f"node-worker key {path} not found (`fedspear node-worker --key-file {path}` writes it)")
+        raise FileNotFoundError(f"node-worker key {path} not found "
+                                f"(`fedspear node-worker --key-file {path}` writes it)")
     key = path.read_text().strip()
     if len(key) < 32:
         raise ValueError(f"node-worker key {path} is too short (expected 64 hex characters)")

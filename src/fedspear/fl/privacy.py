@@ -10,7 +10,7 @@ arXiv:1710.06963, the DP-FedAvg that ``flwr/serverapp/strategy/dp_fixed_clipping
    the train config; the server never sees an unclipped update. ``dp = "server"``: the server clips every reply
    (``DifferentialPrivacyServerSideFixedClipping``); it sees the raw updates and must be trusted with them.
 2. The server averages with a fixed denominator: θ^(t) + (1/m) Σ_k clip(Δ_k), m = ``clients_per_round``
-   (``fedspear.aggregation.fixed_denominator_mean``).
+   (``fedspear.server.aggregation.fixed_denominator_mean``).
 3. The wrapper adds N(0, σ²) to every value, σ = z·C/m (``dp_noise_multiplier`` z; Flower's ``compute_stdv``).
 4. One Gaussian mechanism is composed per noised release in Flower's ``RdpAccountant``; ε at δ (``dp_delta``) is
    written into each round's record (``dp_epsilon`` …) and its state is checkpointed with the round's adapter.
@@ -37,7 +37,7 @@ applied: whether *any* client won depends on every client jointly, so one client
 on or off (sensitivity C instead of C/m). Under DP such a round releases θ^(t) + noise like any other.
 
 **Decision (dropped and rejected clients).** The denominator stays m. A client that raised, did not answer in time,
-or failed the reply checks (``fedspear.validation.check_reply``, including ``max_update_norm``) counts as a zero
+or failed the reply checks (``fedspear.server.validation.check_reply``, including ``max_update_norm``) counts as a zero
 update: the round's update shrinks towards θ^(t) but the sensitivity stays C/m. Dividing by the number of accepted
 replies would need σ = z·C/|accepted|, which Flower's wrappers do not do. Such replies are removed *before* the
 wrapper sees them (``WinWeightedFedAvg.screen``): Flower's wrappers return (None, None) for a round with any error
@@ -106,7 +106,8 @@ from flwr.serverapp.strategy import (
 from flwr.supercore.differential_privacy import KEY_CLIPPING_NORM, compute_stdv
 
 from fedspear.config import ConfigError, RunConfig
-from fedspear.fl.strategy import WinWeightedFedAvg, from_record
+from fedspear.fl.strategy import WinWeightedFedAvg
+from fedspear.fl.records import from_record
 
 log = logging.getLogger("fedspear")
 

@@ -2,8 +2,8 @@
 
 ``run_server`` drives the rounds itself with the strategy's ``configure_train`` / ``aggregate_train`` (rather than
 ``Strategy.start``) so that it can resume after the last completed round, time each phase, and write one metrics
-line per round. The per-round learning rate (warm-up + cosine, ``fedspear.training.lr_at_round``) and the adapter's
-layout travel in the train config. Under differential privacy (``dp`` = client / server) the rounds go through
+line per round. The per-round learning rate (warm-up + cosine, ``fedspear.server.schedule.lr_at_round``) and the
+adapter's layout travel in the train config. Under differential privacy (``dp`` = client / server) the rounds go through
 Flower's fixed-clipping wrapper and the privacy ledger (``fedspear.fl.privacy.PrivateRounds``); each record then
 carries ``dp_epsilon`` and the DP settings, and the accountant's state is saved with each round's adapter.
 """
@@ -20,23 +20,24 @@ import numpy as np
 from flwr.app import ConfigRecord, Context, Message, MessageType, RecordDict
 from flwr.serverapp import Grid, ServerApp
 
-from fedspear import progress
-from fedspear.client import load_train_examples, peak_rss_mb, release_memory
-from fedspear.config import RunConfig, load_config
+from fedspear import counters, progress
+from fedspear.arrays import layout_mismatch
+from fedspear.memory import peak_rss_mb, release_memory
+from fedspear.tasks import load_train_examples
+from fedspear.config import RunConfig, load_config, snake_key
 from fedspear.evaluation import Evaluator
 from fedspear.fl.partition import dirichlet_partitions, partition_summary
 from fedspear.fl.privacy import STATE_FILE, PrivateRounds, reply_norm_bound
-from fedspear.fl.strategy import LAYOUT_KEY, WinWeightedFedAvg, from_record, layout_of, to_record
+from fedspear.fl.records import LAYOUT_KEY, from_record, layout_of, to_record
+from fedspear.fl.strategy import WinWeightedFedAvg
 from fedspear.report import accuracy_text, round_text, write_report
 from fedspear.rundir import EmptyRoundError, RunDir, RunDirError, initial_accuracy
-from fedspear.server_opt import arrays_to_state, state_to_arrays
+from fedspear.server.server_opt import arrays_to_state, state_to_arrays
 from fedspear.tensorboard import ScalarWriter
-from fedspear.training import lr_at_round
+from fedspear.server.schedule import lr_at_round
 
 log = logging.getLogger("fedspear")
 
-COUNTERS = ("prompts", "initial_samples", "initial_correct", "revisions_attempted", "revisions_successful", "num-wins",
-            "num-losses", "weight", "generations", "tokens_generated", "skipped_nonfinite", "active_tokens", "lose_used", "steps")
 
 
 # settings that decide the round-0 evaluation (the base model's answers on the fixed held-out subset)
@@ -107,7 +108,7 @@ def _round_record(server_round: int, lr: float, replies, aggregated: bool, rejec
             metrics["update_norm"] = update_norms[node]
         clients.append(metrics)
     ok = [c for c in clients if "error" not in c]
-    total = {k: sum(c.get(k, 0) for c in ok) for k in COUNTERS}
+    total = {k: sum(c.get(k, 0) for c in ok) for k in counters.SUMMED}
     trained = [c for c in ok if c.get("steps", 0) > 0]
     margins = [c["margin"] for c in ok if c.get("margin_pairs", 0) > 0 and c["margin"] == c["margin"]]
     record = {
@@ -116,7 +117,7 @@ def _round_record(server_round: int, lr: float, replies, aggregated: bool, rejec
         "clients_ok": len(ok),
         "clients_failed": len(clients) - len(ok),
         "aggregated": aggregated,
-        **{k.replace("-", "_"): v for k, v in total.items()},
+        **{snake_key(k): v for k, v in total.items()},
         "wins": total["num-wins"],
         "losses": total["num-losses"],
         "initial_accuracy": initial_accuracy(total),  # over first answers, not prompts: GRPO samples groups
@@ -205,9 +206,9 @@ def in_model_order(arrays: dict[str, np.ndarray], model_arrays: dict[str, np.nda
     Raises:
         RunDirError: the saved adapter's tensor names differ from the model's (names ``where``).
     """
-    if set(arrays) != set(model_arrays):
-        diff = sorted(set(arrays) ^ set(model_arrays))
-        raise RunDirError(f"{where}: the saved adapter's tensors differ from the model's ({diff[:3]}); cannot resume")
+    problem = layout_mismatch(model_arrays, arrays)
+    if problem:
+        raise RunDirError(f"{where}: the saved adapter's tensors differ from the model's ({problem}); cannot resume")
     return {name: arrays[name] for name in model_arrays}
 
 
@@ -421,7 +422,7 @@ def main(grid: Grid, context: Context) -> None:
     """``flwr run .``: settings come from ``[tool.flwr.app.config]`` (``config-file`` plus flat overrides)."""
     run_config = dict(context.run_config)
     config_file = str(run_config.pop("config-file", "") or "") or None
-    overrides = {k.replace("-", "_"): v for k, v in run_config.items()}
+    overrides = {snake_key(k): v for k, v in run_config.items()}
     overrides["output_dir"] = overrides.pop("run_dir", None)
     cfg = load_config(config_file, **overrides)
     # Flower streams this process's stdout to `flwr run --stream` / `flwr log`: one line per round, as `fedspear run`

@@ -2,11 +2,11 @@
 
 θ^(t+1) = Σ_k |W_k| θ_k / Σ_k |W_k| with the reply metric ``weight`` as the weight
 (|W_k| for SPEAR and Feedback SFT; the number of prompts for the other baselines, SPEC §5). The strategy is Flower's
-``FedAvg`` (sampling, message construction, reply checks); the averaging itself is ``fedspear.aggregation.
+``FedAvg`` (sampling, message construction, reply checks); the averaging itself is ``fedspear.server.aggregation.
 win_weighted_average`` (float64 accumulation, fresh arrays). **Decision (SPEC §4):** when every sampled client has
 zero wins, Flower's FedAvg would divide by zero; we keep the global adapter unchanged instead.
 
-Before aggregation every reply is checked (``fedspear.validation.check_reply``: names, shapes, dtypes, finite
+Before aggregation every reply is checked (``fedspear.server.validation.check_reply``: names, shapes, dtypes, finite
 values, non-negative integer counters, optional update-norm bound); a failing reply is excluded and logged with its
 node id and reason, and the round goes on. For untrusted populations the unweighted robust rules of Flower's FedMedian
 and FedTrimmedAvg (``flwr.server.strategy.aggregate``) can replace the weighted mean.
@@ -17,8 +17,8 @@ the layout it sent. An ArrayRecord therefore holds adapter values only, which Fl
 (they scale and perturb every Array of the record; ``fedspear.fl.privacy``).
 
 Under differential privacy (``dp_denominator`` set) the average is the fixed-denominator mean of
-``fedspear.aggregation.fixed_denominator_mean`` instead of the win-weighted one, there is no zero-win guard, and the
-server optimiser is not applied here but by the caller after the noise (``server_step``); ``fedspear.fl.privacy``
+``fedspear.server.aggregation.fixed_denominator_mean`` instead of the win-weighted one, there is no zero-win guard, and
+the server optimiser is not applied here but by the caller after the noise (``server_step``); ``fedspear.fl.privacy``
 says why.
 
 Client sampling is seeded per round over the nodes ordered by their partition id (learnt once through a query
@@ -27,22 +27,22 @@ message), so a resumed run samples the same clients as an uninterrupted one.
 
 from __future__ import annotations
 
-import json
 import logging
 import random
 import time
 from collections.abc import Iterable
 import numpy as np
-from flwr.app import Array, ArrayRecord, ConfigRecord, Message, MessageType, MetricRecord, RecordDict
+from flwr.app import ArrayRecord, ConfigRecord, Message, MessageType, MetricRecord, RecordDict
 from flwr.serverapp import Grid
 from flwr.serverapp.strategy import FedAvg
 
 from flwr.common.constant import ErrorCode
 from flwr.server.strategy.aggregate import aggregate_median, aggregate_trimmed_avg
 
-from fedspear.aggregation import fixed_denominator_mean, win_weighted_average
-from fedspear.server_opt import ServerOptState, fedadam_step, fedyogi_step
-from fedspear.validation import check_reply, update_norm
+from fedspear.server.aggregation import fixed_denominator_mean, win_weighted_average
+from fedspear.server.server_opt import ServerOptState, fedadam_step, fedyogi_step
+from fedspear.server.validation import check_reply, update_norm
+from .records import LAYOUT_KEY, from_record, to_record
 
 RULES = ("fedavg", "median", "trimmed_mean")
 
@@ -51,72 +51,6 @@ WEIGHT_KEY = "weight"
 # process crashed, unknown) means the node dropped out: a deployment may tolerate that (``max_empty_rounds``).
 CLIENT_ERRORS = (ErrorCode.LOAD_CLIENT_APP_EXCEPTION, ErrorCode.CLIENT_APP_RAISED_EXCEPTION)
 log = logging.getLogger("fedspear")
-
-
-# One flat Array per message instead of one per tensor: Flower moves every Array (and each of its chunks) as a
-# separate object, one HTTP request per hop (SuperLink ↔ SuperNode ↔ ClientApp process, ``flwr/supercore/inflatable``).
-# SmolLM2-135M's adapter has 420 tensors: sent one by one they added ~60–90 s to every deployment round on this
-# 2-core machine (a round with almost no client work took 106 s; packed, 15–25 s; examples/deploy-local/README.md).
-# The layout (names, shapes, dtype) is JSON text in the train message's ConfigRecord, not an Array: until
-# 2026-12 it travelled as a uint8 Array beside the buffer, which Flower's DP clipping cannot scale (UFuncTypeError)
-# and its noise corrupts (the bytes of the JSON get N(0, σ) added).
-PACKED_KEY, LAYOUT_KEY = "adapter", "adapter-layout"
-
-
-def layout_of(arrays: dict[str, np.ndarray]) -> str | None:
-    """The JSON layout of ``to_record(arrays)`` (dtype, then [name, shape] in order); None when the tensors do not
-    share one dtype (then each travels as its own Array, named, and needs no layout)."""
-    dtypes = {np.asarray(v).dtype for v in arrays.values()}
-    if len(dtypes) != 1:
-        return None
-    return json.dumps({"dtype": str(dtypes.pop()), "tensors": [[name, list(np.shape(v))] for name, v in arrays.items()]})
-
-
-def to_record(arrays: dict[str, np.ndarray]) -> ArrayRecord:
-    """An ArrayRecord holding a *copy* of ``arrays`` (name → ndarray, in order): one flat Array ``"adapter"``.
-
-    Decode it with ``from_record(record, layout_of(arrays))``. Tensors of different dtypes cannot share one buffer;
-    then each travels as its own Array (as Flower's own strategies send them).
-    """
-    if layout_of(arrays) is None:
-        return ArrayRecord({k: Array(np.array(v, copy=True)) for k, v in arrays.items()})
-    flat = np.concatenate([np.asarray(v).ravel() for v in arrays.values()])  # a new buffer: a copy
-    return ArrayRecord({PACKED_KEY: Array(flat)})
-
-
-def from_record(record: ArrayRecord, layout: str | None = None) -> dict[str, np.ndarray]:
-    """name → ndarray copies of an ArrayRecord: packed (``to_record``, decoded with its ``layout``) or one Array per
-    tensor (``layout`` None).
-
-    Raises:
-        ValueError: a packed record without a layout, a layout that is not valid JSON or does not match the buffer
-        (names repeated, negative dimensions, sizes that do not add up, another dtype), or a record holding other
-        keys than the packed one.
-    """
-    if layout is None:
-        if list(record.keys()) == [PACKED_KEY]:
-            raise ValueError("packed adapter: no layout given to decode it (it travels in the train config)")
-        return {k: np.array(v.numpy(), copy=True) for k, v in record.items()}
-    if list(record.keys()) != [PACKED_KEY]:
-        raise ValueError(f"packed adapter: expected the single Array {PACKED_KEY!r}, got {list(record.keys())[:3]}")
-    flat = record[PACKED_KEY].numpy()
-    try:
-        parsed = json.loads(layout)
-        dtype, tensors = parsed["dtype"], [(str(name), tuple(int(d) for d in shape)) for name, shape in parsed["tensors"]]
-    except (ValueError, KeyError, TypeError) as err:
-        raise ValueError(f"packed adapter: unreadable layout ({err})") from None
-    if flat.ndim != 1 or str(flat.dtype) != dtype:
-        raise ValueError(f"packed adapter: buffer is {flat.dtype}{list(flat.shape)}, layout says flat {dtype}")
-    if len({name for name, _ in tensors}) != len(tensors) or any(d < 0 for _, shape in tensors for d in shape):
-        raise ValueError("packed adapter: repeated tensor names or negative dimensions in the layout")
-    sizes = [int(np.prod(shape)) for _, shape in tensors]
-    if sum(sizes) != flat.size:
-        raise ValueError(f"packed adapter: the layout's tensor shapes hold {sum(sizes)} values, the buffer {flat.size}")
-    out, start = {}, 0
-    for (name, shape), size in zip(tensors, sizes):
-        out[name] = flat[start:start + size].reshape(shape).copy()
-        start += size
-    return out
 
 
 def sum_metrics(records: list[RecordDict], weighting_metric_name: str) -> MetricRecord:

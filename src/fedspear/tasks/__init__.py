@@ -30,4 +30,24 @@ def get_task(name: str) -> ModuleType:
     return TASKS[name]
 
 
-__all__ = ["TASKS", "DataError", "Example", "get_task"]
+def load_split(cfg, split: str) -> tuple[list[Example], list[str]]:
+    """A split of the run's task and the messages of the malformed records skipped (``skip_bad_records``).
+
+    ``cfg`` is a ``fedspear.config.RunConfig`` (read: ``task``, ``data_dir``, ``data_source``, ``skip_bad_records``).
+
+    Raises:
+        DataError: a malformed record when ``skip_bad_records`` is off (names file, line and field).
+    """
+    task = get_task(cfg.task)
+    skipped: list[str] | None = [] if cfg.skip_bad_records else None
+    examples = task.load(split, data_dir=cfg.data_dir, source=cfg.data_source, skipped=skipped)
+    return examples, skipped or []
+
+
+def load_train_examples(cfg) -> list[Example]:
+    """The task's train split (first ``train_size`` items when set), as every client sees it before partitioning."""
+    examples, _ = load_split(cfg, get_task(cfg.task).TRAIN_SPLIT)
+    return examples[: cfg.train_size] if cfg.train_size else examples
+
+
+__all__ = ["TASKS", "DataError", "Example", "get_task", "load_split", "load_train_examples"]

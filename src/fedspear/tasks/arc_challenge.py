@@ -6,7 +6,8 @@ feedback and extraction rules from SPEC §2; splits and evaluation from SPEC §6
 A raw record (hub schema ``allenai/ai2_arc``, config ``ARC-Challenge``; the shipped copy is exact)::
 
     {"id": "Mercury_SC_415702",
-     "question": "George wants to warm his hands quickly by rubbing them. Which skin surface will produce the most heat?",
+     "question":
+         "George wants to warm his hands quickly by rubbing them. Which skin surface will produce the most heat?",
      "choices": {"text": ["dry palms", "wet palms", "palms covered with oil", "palms covered with lotion"],
                  "label": ["A", "B", "C", "D"]},
      "answerKey": "A"}
@@ -21,19 +22,15 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from fedspear.tasks.base import collect, DataError, Example, read_jsonl, require
+from fedspear.tasks.base import DataError, Example, require
 from fedspear.tasks.common import (
     LETTERS,
-    check_not_correct,
-    check_split,
-    data_root,
     extract_letter,
     format_options,
-    hint_words,
     letters_phrase,
-    load_hub_split,
+    load_records,
     numeric_to_letters,
-    shown_prediction,
+    option_hint_feedback,
 )
 
 NAME = "arc_challenge"
@@ -45,8 +42,6 @@ SPLITS = (TRAIN_SPLIT, EVAL_SPLIT)
 #: Generation budget per attempt (tokens). A fedspear default: the paper does not state it; the prompt asks for a
 #: single letter.
 MAX_NEW_TOKENS = 16
-#: |L| ≤ 2·|W| (SPEC §3).
-MAX_LOSE_RATIO = 2
 MULTIPLE_CHOICE = True
 
 PROMPT_TEMPLATE = (
@@ -87,14 +82,8 @@ def load(split: str, data_dir: str | Path | None = None, source: str = "offline"
         ValueError: unknown split or source.
         DataError: missing file or malformed record (names file:line and field).
     """
-    check_split(split, SPLITS, NAME)
-    if source == "hub":
-        rows = load_hub_split(HUB_ID, split, HUB_CONFIG)
-        return collect(parse_record, ((row, f"{HUB_ID}[{split}]:{i}") for i, row in enumerate(rows)), skipped)
-    if source != "offline":
-        raise ValueError(f"unknown source {source!r}; choose one of: offline, hub")
-    path = data_root(data_dir) / NAME / f"{split}.jsonl"
-    return collect(parse_record, ((record, f"{path}:{lineno}") for lineno, record in read_jsonl(path, skipped)), skipped)
+    return load_records(NAME, split, SPLITS, parse_record, data_dir=data_dir, source=source, skipped=skipped,
+                        hub_id=HUB_ID, hub_config=HUB_CONFIG)
 
 
 def parse_record(record: dict, where: str) -> Example:
@@ -138,7 +127,7 @@ def extract_answer(completion: str, example: Example) -> str | None:
     return extract_letter(completion, example.labels)
 
 
-def is_correct(completion: str, example: Example) -> bool:
+def is_correct(example: Example, completion: str) -> bool:
     """True when the extracted letter is the gold letter."""
     return extract_answer(completion, example) == example.gold
 
@@ -152,10 +141,4 @@ def feedback(example: Example, completion: str) -> str:
     Raises:
         ValueError: the completion is correct (feedback is only for wrong answers).
     """
-    predicted = extract_answer(completion, example)
-    check_not_correct(predicted, example.gold, example.uid)
-    return FEEDBACK_TEMPLATE.format(
-        predicted_letter=shown_prediction(predicted),
-        hint_words=hint_words(example.options[example.gold_index]),
-        letters=letters_phrase(example.labels),
-    )
+    return option_hint_feedback(FEEDBACK_TEMPLATE, example, extract_answer(completion, example))

@@ -15,7 +15,8 @@ A task module provides:
 - ``feedback(example, completion) -> str``: the oracle's partial feedback for a wrong completion (SPEC §2).
 - ``extract_answer(completion, example) -> str | None``: the final answer label, or None (SPEC §2 IsCorrect: the
   short-answer rule for ARC-Challenge / HellaSwag, only an explicit final answer for MathMCQA / StrategyQA).
-- ``is_correct(completion, example) -> bool``: ``extract_answer(...) == example.gold``.
+- ``is_correct(example, completion) -> bool``: ``extract_answer(...) == example.gold`` (the argument order of
+  ``FeedbackSource.is_correct`` and ``feedback(example, completion)``).
 """
 
 from __future__ import annotations

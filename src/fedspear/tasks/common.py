@@ -23,7 +23,7 @@ import re
 from pathlib import Path
 from typing import Any, Callable, Iterable, Sequence
 
-from fedspear.tasks.base import DataError
+from fedspear.tasks.base import DataError, Example, collect, read_jsonl
 
 #: The folder of the data files shipped with the package; laid out like ``shared/data`` (one folder per task).
 PACKAGE_DATA_DIR = Path(__file__).resolve().parent.parent / "data"
@@ -282,6 +282,22 @@ def check_not_correct(predicted: str | None, gold: str, uid: str) -> None:
         raise ValueError(f"feedback() called for a correct completion of example {uid!r}; only wrong ones get feedback")
 
 
+def option_hint_feedback(template: str, example: Example, predicted: str | None) -> str:
+    """The oracle's feedback on a wrong option letter (ARC-Challenge, HellaSwag; SPEC §2 no-leak decision):
+    ``template`` filled with the model's own letter (``?`` if none could be extracted), the opening words of the gold
+    option (:func:`hint_words`: never the whole option) and the letters; never the gold letter.
+
+    Raises:
+        ValueError: ``predicted`` is the gold letter (feedback is only for wrong answers).
+    """
+    check_not_correct(predicted, example.gold, example.uid)
+    return template.format(
+        predicted_letter=shown_prediction(predicted),
+        hint_words=hint_words(example.options[example.gold_index]),
+        letters=letters_phrase(example.labels),
+    )
+
+
 def fact_count(n_facts: int) -> int:
     """How many facts the StrategyQA hint shows: max(1, ⌊n/2⌋) (SPEC §2)."""
     return max(1, math.floor(n_facts / 2))
@@ -297,6 +313,30 @@ def check_split(split: str, allowed: Iterable[str], task: str) -> None:
 def data_root(data_dir: str | Path | None) -> Path:
     """``data_dir`` as a Path, or the package's shipped data folder when None."""
     return PACKAGE_DATA_DIR if data_dir is None else Path(data_dir)
+
+
+def load_records(task: str, split: str, splits: Iterable[str], parse: Callable[..., Example], *,
+                 data_dir: str | Path | None, source: str, skipped: list[str] | None, hub_id: str,
+                 hub_config: str | None = None, file_name: str | None = None,
+                 extra: Callable[[str, int], tuple] = lambda split, index: ()) -> list[Example]:
+    """The body every task's ``load`` shares: check ``split``, read the hub split (``source="hub"``) or the offline
+    JSON Lines file ``data_root(data_dir)/<task>/<file_name or split.jsonl>``, and parse each record with
+    ``parse(record, where, *extra(split, index))`` (``where``: "file:line" or "hub_id[split]:index" for errors).
+
+    Raises:
+        ValueError: unknown split or source.
+        DataError: missing file or malformed record (names file:line and field), unless ``skipped`` collects them.
+    """
+    check_split(split, splits, task)
+    if source == "hub":
+        rows = load_hub_split(hub_id, split, hub_config)
+        return collect(parse, ((row, f"{hub_id}[{split}]:{i}", *extra(split, i)) for i, row in enumerate(rows)),
+                       skipped)
+    if source != "offline":
+        raise ValueError(f"unknown source {source!r}; choose one of: offline, hub")
+    path = data_root(data_dir) / task / (file_name or f"{split}.jsonl")
+    records = read_jsonl(path, skipped)
+    return collect(parse, ((record, f"{path}:{n}", *extra(split, n)) for n, record in records), skipped)
 
 
 def load_hub_split(hub_id: str, split: str, config: str | None = None) -> list[dict[str, Any]]:

@@ -15,7 +15,8 @@ A raw validation record (hub schema ``Rowan/hellaswag``; the label is a string):
 A train record (``train_olmes_preprocessed.jsonl``: the only offline copy of the train split, already in OLMES form)::
 
     {"ind": 4, "activity_label": "Removing ice from car",
-     "ctx": "Then, the man writes over the snow covering the window of a car, and a woman wearing winter clothes smiles. Then",
+     "ctx": "Then, the man writes over the snow covering the window of a car, and a woman wearing winter clothes
+             smiles. Then",
      "endings": [", the man adds wax to the windshield and cuts it.", "...", "...",
                  ", the man continues removing the snow on his car."], "label": "3"}
 
@@ -32,18 +33,14 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
-from fedspear.tasks.base import collect, DataError, Example, read_jsonl, require
+from fedspear.tasks.base import DataError, Example, require
 from fedspear.tasks.common import (
     LETTERS,
-    check_not_correct,
-    check_split,
-    data_root,
     extract_letter,
     format_options,
-    hint_words,
     letters_phrase,
-    load_hub_split,
-    shown_prediction,
+    load_records,
+    option_hint_feedback,
 )
 
 NAME = "hellaswag"
@@ -56,8 +53,6 @@ SPLIT_FILES = {TRAIN_SPLIT: "train_olmes_preprocessed.jsonl", EVAL_SPLIT: "valid
 #: Generation budget per attempt (tokens). A fedspear default: the paper does not state it; the prompt asks for a
 #: single letter.
 MAX_NEW_TOKENS = 16
-#: |L| ≤ 2·|W| (SPEC §3).
-MAX_LOSE_RATIO = 2
 MULTIPLE_CHOICE = True
 N_ENDINGS = 4
 
@@ -118,14 +113,8 @@ def load(split: str, data_dir: str | Path | None = None, source: str = "offline"
         ValueError: unknown split or source.
         DataError: missing file or malformed record (names file:line and field).
     """
-    check_split(split, SPLITS, NAME)
-    if source == "hub":
-        rows = load_hub_split(HUB_ID, split)
-        return collect(parse_record, ((row, f"{HUB_ID}[{split}]:{i}", split) for i, row in enumerate(rows)), skipped)
-    if source != "offline":
-        raise ValueError(f"unknown source {source!r}; choose one of: offline, hub")
-    path = data_root(data_dir) / NAME / SPLIT_FILES[split]
-    return collect(parse_record, ((record, f"{path}:{lineno}", split) for lineno, record in read_jsonl(path, skipped)), skipped)
+    return load_records(NAME, split, SPLITS, parse_record, data_dir=data_dir, source=source, skipped=skipped,
+                        hub_id=HUB_ID, file_name=SPLIT_FILES.get(split), extra=lambda split, index: (split,))
 
 
 def parse_record(record: dict, where: str, split: str) -> Example:
@@ -175,7 +164,7 @@ def extract_answer(completion: str, example: Example) -> str | None:
     return extract_letter(completion, example.labels)
 
 
-def is_correct(completion: str, example: Example) -> bool:
+def is_correct(example: Example, completion: str) -> bool:
     """True when the extracted letter is the gold letter."""
     return extract_answer(completion, example) == example.gold
 
@@ -189,10 +178,4 @@ def feedback(example: Example, completion: str) -> str:
     Raises:
         ValueError: the completion is correct (feedback is only for wrong answers).
     """
-    predicted = extract_answer(completion, example)
-    check_not_correct(predicted, example.gold, example.uid)
-    return FEEDBACK_TEMPLATE.format(
-        predicted_letter=shown_prediction(predicted),
-        hint_words=hint_words(example.options[example.gold_index]),
-        letters=letters_phrase(example.labels),
-    )
+    return option_hint_feedback(FEEDBACK_TEMPLATE, example, extract_answer(completion, example))

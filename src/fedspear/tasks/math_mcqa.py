@@ -74,7 +74,7 @@ from collections import defaultdict
 from pathlib import Path
 from typing import Any, Iterable
 
-from fedspear.tasks.base import collect, DataError, Example, read_jsonl, require
+from fedspear.tasks.base import DataError, Example, collect, read_jsonl, require
 from fedspear.tasks.common import (
     LETTERS,
     check_not_correct,
@@ -83,7 +83,7 @@ from fedspear.tasks.common import (
     explicit_letter,
     format_options,
     letters_phrase,
-    load_hub_split,
+    load_records,
     shown_prediction,
 )
 
@@ -98,8 +98,6 @@ SPLITS = (TRAIN_SPLIT, EVAL_SPLIT)
 #: 2048). The earlier 256 cut step-by-step answers before their final "Answer: X" (issue 16; measured in
 #: docs/results/parse-rates).
 MAX_NEW_TOKENS = 512
-#: |L| ≤ 4·|W| (SPEC §3).
-MAX_LOSE_RATIO = 4
 #: False: log-likelihood accuracy is not reported for this task (module docstring, second Decision).
 MULTIPLE_CHOICE = False
 N_CHOICES = 4
@@ -275,21 +273,18 @@ def load(split: str, data_dir: str | Path | None = None, source: str = "offline"
         ValueError: unknown split or source.
         DataError: missing files or a malformed record (names file:line and field).
     """
-    check_split(split, SPLITS, NAME)
-    if source == "hub":
-        rows = load_hub_split(HUB_ID, split)
-        return collect(parse_record, ((row, f"{HUB_ID}[{split}]:{i}", f"{split}-{i}") for i, row in enumerate(rows)), skipped)
-    if source != "offline":
-        raise ValueError(f"unknown source {source!r}; choose one of: offline, hub")
     root = data_root(data_dir)
     path = root / NAME / f"{split}.jsonl"
-    if path.is_file() or data_dir is None:
-        return collect(parse_record, ((record, f"{path}:{lineno}", f"{split}-{lineno}") for lineno, record in read_jsonl(path, skipped)), skipped)
+    if source != "offline" or path.is_file() or data_dir is None:
+        return load_records(NAME, split, SPLITS, parse_record, data_dir=data_dir, source=source, skipped=skipped,
+                            hub_id=HUB_ID, extra=lambda split, index: (f"{split}-{index}",))
+    check_split(split, SPLITS, NAME)
     math_path = root / MATH_DIR / f"{split}.jsonl"
     if not math_path.is_file():
         raise DataError(f"{path}: data file not found (nor {math_path} to derive it from)")
     derived = derive_split((f"{math_path}:{lineno}", record) for lineno, record in read_jsonl(math_path, skipped))
-    return collect(parse_record, ((record, f"{math_path} ({record['unique_id']})", record["unique_id"]) for record in derived), skipped)
+    return collect(parse_record, ((record, f"{math_path} ({record['unique_id']})", record["unique_id"])
+                                  for record in derived), skipped)
 
 
 def parse_record(record: dict, where: str, default_uid: str) -> Example:
@@ -342,7 +337,7 @@ def extract_answer(completion: str, example: Example) -> str | None:
     return explicit_letter(completion, example.labels, example.options, answer_key)
 
 
-def is_correct(completion: str, example: Example) -> bool:
+def is_correct(example: Example, completion: str) -> bool:
     """True when the extracted letter is the gold letter (an unparsed answer is wrong)."""
     return extract_answer(completion, example) == example.gold
 

@@ -8,7 +8,8 @@ A raw record (``ChilleD/StrategyQA`` split, official StrategyQA fields; ``shared
     {"qid": "4b82bd6ced332e84006e", "term": "Mixed martial arts", "description": "full contact combat sport",
      "question": "Is Mixed martial arts totally original from Roman Colosseum games?", "answer": false,
      "facts": ["Mixed Martial arts in the UFC takes place in an enclosed structure called The Octagon.",
-               "The Roman Colosseum games were fought in enclosed arenas where combatants would fight until the last man was standing.",
+               "The Roman Colosseum games were fought in enclosed arenas where combatants would fight until the last
+                man was standing.",
                "..."],
      "decomposition": ["What are the major features of UFC's Mixed martial arts?", "..."]}
 
@@ -50,15 +51,13 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from fedspear.tasks.base import collect, DataError, Example, read_jsonl, require
+from fedspear.tasks.base import DataError, Example, require
 from fedspear.tasks.common import (
     STANDALONE_YES_NO_RE,
     check_not_correct,
-    check_split,
-    data_root,
     explicit_yes_no,
     fact_count,
-    load_hub_split,
+    load_records,
     shown_prediction,
 )
 
@@ -71,8 +70,6 @@ SPLITS = (TRAIN_SPLIT, EVAL_SPLIT)
 #: 1024). The earlier 128 cut step-by-step answers before their final "Answer: yes/no" (issue 16; measured in
 #: docs/results/parse-rates).
 MAX_NEW_TOKENS = 256
-#: |L| ≤ 4·|W| (SPEC §3).
-MAX_LOSE_RATIO = 4
 MULTIPLE_CHOICE = False
 LABELS = ("yes", "no")
 MASK = "[...]"
@@ -112,14 +109,8 @@ def load(split: str, data_dir: str | Path | None = None, source: str = "offline"
         ValueError: unknown split or source.
         DataError: missing file or malformed record (names file:line and field).
     """
-    check_split(split, SPLITS, NAME)
-    if source == "hub":
-        rows = load_hub_split(HUB_ID, split)
-        return collect(parse_record, ((row, f"{HUB_ID}[{split}]:{i}") for i, row in enumerate(rows)), skipped)
-    if source != "offline":
-        raise ValueError(f"unknown source {source!r}; choose one of: offline, hub")
-    path = data_root(data_dir) / NAME / f"{split}.jsonl"
-    return collect(parse_record, ((record, f"{path}:{lineno}") for lineno, record in read_jsonl(path, skipped)), skipped)
+    return load_records(NAME, split, SPLITS, parse_record, data_dir=data_dir, source=source, skipped=skipped,
+                        hub_id=HUB_ID)
 
 
 def parse_record(record: dict, where: str) -> Example:
@@ -159,7 +150,7 @@ def extract_answer(completion: str, example: Example) -> str | None:
     return explicit_yes_no(completion)
 
 
-def is_correct(completion: str, example: Example) -> bool:
+def is_correct(example: Example, completion: str) -> bool:
     """True when the extracted yes/no is the gold one (an unparsed answer is wrong)."""
     return extract_answer(completion, example) == example.gold
 

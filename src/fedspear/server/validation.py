@@ -13,11 +13,8 @@ from typing import Mapping
 
 import numpy as np
 
-# counters a client reply must carry as non-negative integers (weight is the aggregation weight)
-REQUIRED_COUNTERS = ("weight", "num-wins", "num-losses", "prompts")
-INTEGER_COUNTERS = REQUIRED_COUNTERS + ("initial_samples", "initial_correct", "revisions_attempted",
-                                        "revisions_successful", "generations", "tokens_generated", "steps",
-                                        "skipped_nonfinite")
+from .. import counters
+from ..arrays import layout_mismatch
 
 
 def update_norm(global_arrays: Mapping[str, np.ndarray], client_arrays: Mapping[str, np.ndarray]) -> float:
@@ -40,27 +37,24 @@ def check_reply(
     Args:
         global_arrays: θ^(t) as broadcast (name → array).
         client_arrays: the client's returned adapter.
-        metrics: the client's reply metrics (must hold the ``REQUIRED_COUNTERS``).
+        metrics: the client's reply metrics (must hold ``fedspear.counters.REQUIRED``).
         max_update_norm: reject when ‖θ_k − θ^(t)‖₂ exceeds this (None: no bound).
     Returns:
         A one-line reason naming the tensor or counter at fault, or None.
     """
-    missing = [k for k in global_arrays if k not in client_arrays]
-    extra = [k for k in client_arrays if k not in global_arrays]
-    if missing or extra:
-        return f"tensor names differ (missing {missing[:2]}, unexpected {extra[:2]})"
+    problem = layout_mismatch(global_arrays, client_arrays)
+    if problem:
+        return f"adapter layout differs from the global adapter's: {problem}"
     for name, ref in global_arrays.items():
         value = np.asarray(client_arrays[name])
-        if value.shape != np.shape(ref):
-            return f"tensor {name}: shape {value.shape}, expected {np.shape(ref)}"
         if value.dtype != np.asarray(ref).dtype:
             return f"tensor {name}: dtype {value.dtype}, expected {np.asarray(ref).dtype}"
         if not np.all(np.isfinite(value)):
             return f"tensor {name}: {int(np.size(value) - np.isfinite(value).sum())} non-finite values"
-    for key in REQUIRED_COUNTERS:
+    for key in counters.REQUIRED:
         if key not in metrics:
             return f"counter {key} missing"
-    for key in INTEGER_COUNTERS:
+    for key in counters.INTEGER:
         if key in metrics:
             value = metrics[key]
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) \

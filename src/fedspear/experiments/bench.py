@@ -32,8 +32,8 @@ from typing import Any, Callable
 import numpy as np
 import torch
 
-from .config import RunConfig
-from .model import autocast
+from ..config import RunConfig
+from ..model import autocast
 
 
 def machine() -> dict[str, Any]:
@@ -181,9 +181,9 @@ def run_bench(model: str = "smollm2-135m", dtype: str = "auto", quick: bool = Fa
     before each measurement and after each SPEAR round.
     """
     say = progress or (lambda text: None)
-    from .evaluation import evaluate
-    from .model import LoraSettings, add_lora, load_base
-    from .tasks import arc_challenge
+    from ..evaluation import evaluate
+    from ..model import LoraSettings, add_lora, load_base
+    from ..tasks import arc_challenge
 
     s = 0.2 if quick else 1.5  # seconds per micro-benchmark
     out: dict[str, Any] = {
@@ -251,8 +251,8 @@ def spear_round(model: str, dtype: str, quick: bool, output_dir: str | None, rou
     """
     import statistics
 
-    from .fl.simulation import simulate
-    from .rundir import RunDir
+    from ..fl.simulation import simulate
+    from ..rundir import RunDir
 
     out_dir = output_dir or tempfile.mkdtemp(prefix="fedspear-bench-")
     cfg = RunConfig(
@@ -325,10 +325,10 @@ def scaling(model: str = "smollm2-135m", dtype: str = "auto", quick: bool = Fals
     import dataclasses
     import statistics
 
-    from .client import Worker
-    from .fl.simulation import simulate
-    from .model import get_adapter
-    from .rundir import RunDir
+    from ..fl.simulation import simulate
+    from ..model import get_adapter
+    from ..rundir import RunDir
+    from ..worker import Worker
 
     axes = QUICK_SCALING_AXES if quick else SCALING_AXES
     ref = dict(task="arc_challenge", model=model, dtype=dtype, num_clients=10 if not quick else 2,
@@ -337,7 +337,7 @@ def scaling(model: str = "smollm2-135m", dtype: str = "auto", quick: bool = Fals
     out: dict[str, Any] = {"date": _dt.datetime.now().isoformat(timespec="seconds"), "machine": machine(),
                            "reference": ref, "axes": {}}
     worker = Worker.load(RunConfig(**ref, rounds=1))
-    cfg = worker.cfg  # resolved: the task's defaults filled in
+    cfg = worker.loaded  # resolved: the task's defaults filled in
     identity = get_adapter(worker.model)
     parts = np.array_split(np.arange(len(worker.examples)), cfg.num_clients)
     phases = ("generate_initial", "generate_revisions", "train")
@@ -348,11 +348,11 @@ def scaling(model: str = "smollm2-135m", dtype: str = "auto", quick: bool = Fals
         for value in values:
             if progress:
                 progress(f"{axis} = {value}")
-            worker.cfg = dataclasses.replace(cfg, **{axis: value})
+            varied = dataclasses.replace(cfg, **{axis: value})
             per_client = []
             for pid in range(min(3, cfg.num_clients)):
                 t0 = time.perf_counter()
-                _, metrics = worker.round(identity, [int(i) for i in parts[pid]], pid, 1, cfg.lr)
+                _, metrics = worker.round(varied, identity, [int(i) for i in parts[pid]], pid, 1, cfg.lr)
                 per_client.append({**{k: metrics[f"seconds_{k}"] for k in phases},
                                    "client_round": time.perf_counter() - t0,
                                    "tokens_generated": metrics["tokens_generated"],
@@ -362,7 +362,6 @@ def scaling(model: str = "smollm2-135m", dtype: str = "auto", quick: bool = Fals
                          "counters": {k: statistics.median(c[k] for c in per_client)
                                       for k in ("tokens_generated", "revisions_attempted")}})
         out["axes"][axis] = rows
-    worker.cfg = cfg
     del worker
     base_dir = Path(output_dir or tempfile.mkdtemp(prefix="fedspear-scaling-"))
     rows = []

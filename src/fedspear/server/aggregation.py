@@ -17,22 +17,17 @@ from collections.abc import Mapping, Sequence
 
 import numpy as np
 
+from ..arrays import layout_mismatch
+
 Arrays = Mapping[str, np.ndarray]
 
 
 def check_same_layout(reference: Arrays, other: Arrays, what: str, against: str = "the global adapter") -> None:
-    """Raise ValueError naming the first difference between two named-array dicts (names, then shapes)."""
-    missing = sorted(set(reference) - set(other))
-    extra = sorted(set(other) - set(reference))
-    if missing or extra:
-        more_missing = " ..." if len(missing) > 5 else ""
-        more_extra = " ..." if len(extra) > 5 else ""
-        raise ValueError(f"{what} does not hold the same tensors as {against}: missing {missing[:5]}{more_missing}, "
-                         f"unexpected {extra[:5]}{more_extra}")
-    for name, ref in reference.items():
-        shape = np.shape(other[name])
-        if shape != np.shape(ref):
-            raise ValueError(f"{what}: tensor {name!r} has shape {shape}, {against} has {np.shape(ref)}")
+    """Raise ValueError naming the first difference between two named-array dicts (``fedspear.arrays.layout_mismatch``:
+    names, then shapes), ``what`` and ``against`` saying which two."""
+    problem = layout_mismatch(reference, other)
+    if problem:
+        raise ValueError(f"{what} does not match {against}: {problem}")
 
 
 def win_weighted_average(

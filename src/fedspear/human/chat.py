@@ -4,7 +4,7 @@ A small FastAPI app (one HTML page, a JSON API) served on 127.0.0.1 by uvicorn. 
 phase (paper Alg. 1 lines 5–22) with the person as the feedback source:
 
 1. ``POST /api/ask {"prompt"}``: the model samples y0 for the prompt (temperature 0.8, top-p 0.95, as in rollouts),
-   a trajectory is opened in the :class:`~fedspear.traces.TraceStore` with the model version.
+   a trajectory is opened in the :class:`~fedspear.human.store.TraceStore` with the model version.
 2. ``POST /api/judge {"trajectory_id", "correct", "hint"?}``: the verdict on the last attempt. Right → closed.
    Wrong with a hint → the model revises from c_n = c0 ‖ y_prev ‖ hint (the same rendering as simulation) and the
    reply carries the new attempt, up to N revisions; wrong without a hint, or after the N-th revision → closed.
@@ -24,12 +24,17 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from fastapi import FastAPI, HTTPException
-from fastapi.responses import HTMLResponse
-from pydantic import BaseModel, Field
 
-from .interaction import generate, render
-from .traces import TraceStore, TraceStoreError, Trajectory, count
+try:  # the [ui] extra
+    from fastapi import FastAPI, HTTPException
+    from fastapi.responses import HTMLResponse
+    from pydantic import BaseModel, Field
+except ImportError as err:
+    raise ImportError(f"fedspear chat needs the [ui] extra: pip install 'fedspear[ui]' ({err})") from err
+
+from ..generation import generate
+from ..interaction import render
+from .store import TraceStore, TraceStoreError, Trajectory, count
 
 DEFAULT_PORT = 8765
 
@@ -57,9 +62,9 @@ class ChatModel:
         """Load the base model and, optionally, a peft adapter folder (e.g. ``runs/x/adapters/round_0004``).
 
         Raises:
-            fedspear.model.ModelError: the model cannot be loaded. FileNotFoundError: no adapter at ``adapter``.
+            fedspear.model_zoo.ModelError: the model cannot be loaded. FileNotFoundError: no adapter at ``adapter``.
         """
-        from .model import load_base
+        from ..model import load_base
 
         base, tokenizer, dtype_used = load_base(model, dtype)
         version = model
@@ -187,8 +192,15 @@ def create_app(store: TraceStore, responder: ChatModel, max_revisions: int = 2) 
 
 def serve(store_path: str | Path, responder: ChatModel, *, max_revisions: int = 2, host: str = "127.0.0.1",
           port: int = DEFAULT_PORT) -> None:
-    """Run the chat app with uvicorn until interrupted (Ctrl-C)."""
-    import uvicorn
+    """Run the chat app with uvicorn until interrupted (Ctrl-C).
+
+    Raises:
+        ImportError: uvicorn is missing (the message names the [ui] extra).
+    """
+    try:
+        import uvicorn
+    except ImportError as err:
+        raise ImportError(f"fedspear chat needs the [ui] extra: pip install 'fedspear[ui]' ({err})") from err
 
     app = create_app(TraceStore(store_path), responder, max_revisions)
     uvicorn.run(app, host=host, port=port, log_level="warning")

@@ -10,7 +10,6 @@ from __future__ import annotations
 import hashlib
 import logging
 import random
-import resource
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
@@ -21,9 +20,10 @@ import numpy as np
 from . import progress
 from .config import RunConfig
 from .feedback import FeedbackSource, make_feedback
-from .algorithms import get_algorithm
+from .algorithms import ALGORITHMS
 from .model import LoraSettings, add_lora, get_adapter, load_base, set_adapter, use_gradient_checkpointing
-from .tasks import get_task
+from .memory import peak_rss_mb, release_memory
+from .tasks import get_task, load_train_examples
 from .tasks.base import Example
 
 log = logging.getLogger(__name__)
@@ -33,24 +33,6 @@ def derived_seed(*parts: object) -> int:
     """A stable 31-bit seed from any parts (same inputs → same seed across processes and runs)."""
     digest = hashlib.sha256(":".join(map(str, parts)).encode()).digest()
     return int.from_bytes(digest[:4], "little") & 0x7FFFFFFF
-
-
-def load_split(cfg: RunConfig, split: str) -> tuple[list[Example], list[str]]:
-    """A split of the run's task and the messages of the malformed records skipped (``skip_bad_records``).
-
-    Raises:
-        DataError: a malformed record when ``skip_bad_records`` is off (names file, line and field).
-    """
-    task = get_task(cfg.task)
-    skipped: list[str] | None = [] if cfg.skip_bad_records else None
-    examples = task.load(split, data_dir=cfg.data_dir, source=cfg.data_source, skipped=skipped)
-    return examples, skipped or []
-
-
-def load_train_examples(cfg: RunConfig) -> list[Example]:
-    """The task's train split (first ``train_size`` items when set), as every client sees it before partitioning."""
-    examples, _ = load_split(cfg, get_task(cfg.task).TRAIN_SPLIT)
-    return examples[: cfg.train_size] if cfg.train_size else examples
 
 
 def round_prompts(partition: Sequence[int], cfg: RunConfig, partition_id: int, server_round: int) -> list[int]:
@@ -79,41 +61,15 @@ def round_prompts(partition: Sequence[int], cfg: RunConfig, partition_id: int, s
     return [order[(start + i) % len(order)] for i in range(k)]
 
 
-def peak_rss_mb() -> float:
-    """Peak resident memory of this process so far (MiB; Linux ``ru_maxrss`` is in KiB)."""
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
-
-
-def release_memory() -> float:
-    """Give the memory a finished phase freed back to the OS; return this process's resident memory after (MiB).
-
-    glibc's malloc keeps freed heap pages for reuse, and after the first large tensors are freed it raises its mmap
-    threshold (up to 32 MiB), so later activations and logits come from a heap that never shrinks: a SmolLM2 client
-    held 4.7 GiB after four default rounds, of which ``malloc_trim(0)`` returned 3.0 GiB (1.7 GiB left; issue 19,
-    measured in-process on the Zen 4 machine). Called between rounds, it lowers what an idle client holds, not the
-    peak inside a round. No-op (``nan`` without /proc) where libc has no ``malloc_trim``.
-    """
-    import ctypes
-    import ctypes.util
-    import gc
-
-    gc.collect()
-    try:
-        ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6").malloc_trim(0)
-    except (OSError, AttributeError):
-        pass
-    try:
-        with open("/proc/self/status", encoding="ascii") as status:
-            return next(int(line.split()[1]) / 1024 for line in status if line.startswith("VmRSS:"))
-    except (OSError, StopIteration, ValueError):
-        return float("nan")
-
-
 @dataclass
 class Worker:
-    """The base model with its LoRA adapter, the tokenizer and the train data, loaded once per process."""
+    """The base model with its LoRA adapter, the tokenizer and the train data, loaded once per process.
 
-    cfg: RunConfig
+    ``loaded`` holds the settings they were loaded with (``compatible`` compares a round's settings with it); each
+    round's own settings are passed to :meth:`round`, never stored here.
+    """
+
+    loaded: RunConfig
     model: object
     tokenizer: object
     dtype_used: str
@@ -130,16 +86,17 @@ class Worker:
 
     def compatible(self, cfg: RunConfig) -> bool:
         """Whether this worker's model can serve ``cfg`` (same model, dtype, LoRA shape, task and data)."""
-        keys = ("model", "dtype", "device", "lora_r", "lora_alpha", "lora_dropout", "last_layers", "gradient_checkpointing",
-                "task", "data_dir", "data_source", "train_size", "seed")
-        return all(getattr(self.cfg, k) == getattr(cfg, k) for k in keys)
+        keys = ("model", "dtype", "device", "lora_r", "lora_alpha", "lora_dropout", "last_layers",
+                "gradient_checkpointing", "task", "data_dir", "data_source", "train_size", "seed")
+        return all(getattr(self.loaded, k) == getattr(cfg, k) for k in keys)
 
     @property
     def task(self):
-        return get_task(self.cfg.task)
+        return get_task(self.loaded.task)
 
     def round(
         self,
+        cfg: RunConfig,
         global_arrays: dict[str, np.ndarray],
         partition: Sequence[int],
         partition_id: int,
@@ -150,6 +107,7 @@ class Worker:
         """Run the configured algorithm (``cfg.algorithm``; SPEAR = paper Alg. 1) on this client for one round.
 
         Args:
+            cfg: this round's settings (resolved here; must be ``compatible`` with the loaded ones).
             global_arrays: the broadcast LoRA tensors θ^(t) (name → array).
             partition: indices of this client's train examples.
             lr: learning rate for this round (the server's schedule).
@@ -160,17 +118,19 @@ class Worker:
             SFT, the number of prompts for the other baselines), ``num-wins``, ``num-losses`` and the counters of
             SPEC §6.
         """
-        cfg = self.cfg
+        if not self.compatible(cfg):
+            raise ValueError("this worker was loaded for other model, data or LoRA settings (see Worker.compatible)")
+        cfg = cfg.resolved()
         set_adapter(self.model, global_arrays)
         examples = [self.examples[i] for i in round_prompts(partition, cfg, partition_id, server_round)]
         seed = derived_seed(cfg.seed, "client-round", partition_id, server_round)
-        algorithm = get_algorithm(cfg.algorithm)
+        algorithm = ALGORITHMS[cfg.algorithm]
         if feedback_source is None:
             feedback_source = make_feedback(self.task, cfg.user_flip_prob, cfg.user_irrelevant_prob,
                                             seed=derived_seed(cfg.seed, "user", partition_id))
         progress.start(f"client {partition_id}", server_round)
         try:
-            metrics = algorithm.client_round(self, examples, lr=lr, seed=seed, feedback=feedback_source)
+            metrics = algorithm.client_round(self, cfg, examples, lr=lr, seed=seed, feedback=feedback_source)
         finally:
             progress.finish()
         metrics.update(getattr(feedback_source, "counts", {}))
@@ -194,9 +154,10 @@ class Worker:
         shutil.rmtree(old, ignore_errors=True)
 
     def human_round(
-        self, global_arrays: dict[str, np.ndarray], store, partition_id: int, server_round: int, lr: float,
+        self, cfg: RunConfig, global_arrays: dict[str, np.ndarray], store, partition_id: int, server_round: int,
+        lr: float,
     ) -> tuple[dict[str, np.ndarray], dict[str, float]]:
-        """One client-round on what people said in ``fedspear chat`` (``fedspear.human.client_round``).
+        """One client-round on what people said in ``fedspear chat`` (``fedspear.human.replay.client_round``).
 
         Trains on at most ``rollouts_per_round`` unused trajectories of ``store`` (a ``TraceStore``), oldest
         first, and marks them used. Returns ``(adapter copy, metrics)`` as :meth:`round` does.
@@ -204,13 +165,13 @@ class Worker:
         Raises:
             ValueError: the run's algorithm cannot learn from stored trajectories.
         """
-        from .human import client_round
+        from .human.replay import client_round
 
-        cfg = self.cfg
+        cfg = cfg.resolved()
         set_adapter(self.model, global_arrays)
         self._save_global(Path(store.path).parent / "global_adapter")
         seed = derived_seed(cfg.seed, "client-round", partition_id, server_round)
-        metrics = client_round(self, store, lr=lr, seed=seed, server_round=server_round,
+        metrics = client_round(self, cfg, store, lr=lr, seed=seed, server_round=server_round,
                                max_prompts=cfg.rollouts_per_round)
         metrics["peak_rss_mb"] = peak_rss_mb()
         arrays = get_adapter(self.model)

@@ -167,12 +167,14 @@ def test_bare_adapter_takes_r_and_alpha_from_its_config(run_dir, tmp_path):
     assert saved["round"] is None and _strip(saved["metrics"]) == _strip(expected[2][0])
     # a model the adapter does not fit: named, not a traceback
     result = _eval(bare, "--model", "tiny-random", "--set", "lora_r=8", "--eval-size", "2")
-    assert result.exit_code == 2 and "adapter tensor" in result.output and "shape" in result.output
+    assert (result.exit_code == 2 and "does not match the model's LoRA layout" in result.output
+            and "has shape (4, 64), expected (8, 64)" in result.output)
     # no --model and no base model folder named in adapter_config.json: asked for, not guessed
     result = _eval(bare, "--eval-size", "2")
     assert result.exit_code == 2 and "a bare adapter needs --model" in result.output
     # an unwritable output: a message, not a traceback
-    result = _eval(bare, "--model", "tiny-random", "--eval-size", "2", "-o", bare / "adapter_model.safetensors" / "x.json")
+    result = _eval(bare, "--model", "tiny-random", "--eval-size", "2", "-o",
+                   bare / "adapter_model.safetensors" / "x.json")
     assert result.exit_code == 2 and "cannot write the result" in result.output
 
 
@@ -196,8 +198,9 @@ def test_harness_bad_input(args, fragment):
 def test_lm_eval_harness_scores_the_shipped_data_offline_with_the_adapter(tmp_path, task, monkeypatch):
     """lm-eval's own task config on the packaged SmolLM2, first 6 documents, no network: the identity adapter scores
     as the base model; a perturbed adapter is what gets scored (its per-item log-likelihood choices differ)."""
-    from fedspear.harness import evaluate_lm_eval
-    from fedspear.model import resolve_dtype, resolve_model_dir
+    from fedspear.experiments.harness import evaluate_lm_eval
+    from fedspear.model import resolve_dtype
+    from fedspear.model_zoo import resolve_model_dir
 
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     cfg = load_config(model="smollm2-135m", task=task, output_dir=str(tmp_path / "run"))
@@ -220,7 +223,8 @@ def test_lm_eval_harness_scores_the_shipped_data_offline_with_the_adapter(tmp_pa
         outs[name] = json.loads(out.read_text())
         assert f"{task} " in result.output and "by lm-eval" in result.output and "acc_norm" in result.output
     base = outs["base"]
-    assert base["harness"] == "lm-eval" and base["metrics"]["n"] == 6 and [i["doc_id"] for i in base["items"]] == list(range(6))
+    assert (base["harness"] == "lm-eval" and base["metrics"]["n"] == 6
+            and [i["doc_id"] for i in base["items"]] == list(range(6)))
     assert base["metrics"]["acc"] == pytest.approx(sum(i["acc"] for i in base["items"]) / 6)
     assert all(len(i["logliks"]) == 4 and all(v < 0 for v in i["logliks"]) for i in base["items"])
     # LoRA B = 0: the base model's choices, and its scores up to float rounding (peft's extra path adds exact zeros;

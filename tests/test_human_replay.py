@@ -10,11 +10,11 @@ import pytest
 from flwr.app import ConfigRecord, Context, Message, MessageType, RecordDict
 
 from fedspear.config import RunConfig
-from fedspear.fl.strategy import LAYOUT_KEY, from_record, layout_of, to_record
-from fedspear.human import HumanFeedback, as_example, client_round
+from fedspear.fl.records import LAYOUT_KEY, from_record, layout_of, to_record
+from fedspear.human.replay import HumanFeedback, as_example, client_round
 from fedspear.interaction import render
 from fedspear.model import get_adapter
-from fedspear.traces import TraceStore
+from fedspear.human.store import TraceStore
 
 PROMPTS = ["What do bees make from nectar? (a question asked in the chat)",
            "Which planet is called the red planet? (another chat question)",
@@ -63,10 +63,9 @@ def fill(store: TraceStore, tokenizer) -> dict[str, list[int]]:
 
 @pytest.fixture
 def worker():
-    from fedspear.client import Worker
+    from fedspear.worker import Worker
 
     w = Worker.load(cfg_for())
-    w.cfg = w.cfg.resolved()
     return w
 
 
@@ -91,7 +90,7 @@ def test_replay_gives_spears_win_and_lose_sets_and_marks_used(worker, tmp_path, 
     from fedspear.model import set_adapter
 
     set_adapter(worker.model, start)
-    metrics = client_round(worker, store, lr=1e-2, seed=1, server_round=5)
+    metrics = client_round(worker, worker.loaded, store, lr=1e-2, seed=1, server_round=5)
     ids = stored["ids"]
     assert [w.completion_ids for w in seen["wins"]] == [ids["a0"], ids["b1"]]
     assert [(t.completion_ids, t.alpha) for t in seen["losses"]] == [(ids["b0"], 1.0), (ids["c0"], 0.5)]
@@ -105,7 +104,7 @@ def test_replay_gives_spears_win_and_lose_sets_and_marks_used(worker, tmp_path, 
     a, b, c, d = stored["trajectories"]
     assert [store.get(t).used_in_round for t in (a, b, c, d)] == [5, 5, 5, None]
     # nothing left to learn: weight 0, adapter untouched
-    again = client_round(worker, store, lr=1e-2, seed=2, server_round=6)
+    again = client_round(worker, worker.loaded, store, lr=1e-2, seed=2, server_round=6)
     assert again["weight"] == 0 and again["human-trajectories"] == 0
     assert all(np.array_equal(get_adapter(worker.model)[k], after[k]) for k in after)
 
@@ -114,8 +113,7 @@ def test_revisions_beyond_the_runs_budget_are_not_replayed(worker, tmp_path):
     """max_revisions = 0 on the node: b's successful revision cannot count, so b is a lose trace with α = 0.5."""
     store = TraceStore(tmp_path / "traces.db")
     fill(store, worker.tokenizer)
-    worker.cfg = cfg_for(max_revisions=0).resolved()
-    metrics = client_round(worker, store, lr=1e-2, seed=1, server_round=1)
+    metrics = client_round(worker, cfg_for(max_revisions=0).resolved(), store, lr=1e-2, seed=1, server_round=1)
     assert metrics["num-wins"] == 1 and metrics["num-losses"] == 2 and metrics["replayed_attempts"] == 3
 
 
@@ -138,9 +136,8 @@ def test_human_feedback_is_a_lookup_of_what_the_person_said(worker, tmp_path):
 def test_only_algorithms_that_learn_from_traces_are_allowed(worker, tmp_path):
     store = TraceStore(tmp_path / "traces.db")
     fill(store, worker.tokenizer)
-    worker.cfg = cfg_for(algorithm="grpo").resolved()
     with pytest.raises(ValueError, match="cannot train on human trajectories"):
-        client_round(worker, store, lr=1e-2, seed=1, server_round=1)
+        client_round(worker, cfg_for(algorithm="grpo").resolved(), store, lr=1e-2, seed=1, server_round=1)
     assert store.counts()["used"] == 0  # refused before touching the store
 
 
@@ -183,7 +180,7 @@ def test_a_human_nodes_reply_carries_no_prompt_answer_or_hint(tmp_path):
     saved = load_file(tmp_path / "global_adapter" / "adapter_model.safetensors")
     assert len(saved) == len(from_record(reply.content["arrays"], layout)) and (tmp_path / "global_adapter" /
                                                                          "adapter_config.json").is_file()
-    from fedspear.chat import ChatModel
+    from fedspear.human.chat import ChatModel
 
     chat = ChatModel.load("tiny-random", "fp32", adapter=tmp_path / "global_adapter", max_new_tokens=3)
     assert chat.version.startswith("tiny-random+global_adapter@")

@@ -3,7 +3,7 @@
 A *trajectory* is one prompt and its attempts y0, y1, …: each attempt's text and sampled token ids, the person's
 verdict (right / wrong), the hint they typed for a wrong answer, and timestamps, plus the version of the model that
 answered. It is the human counterpart of one prompt of SPEAR's interaction phase (paper Alg. 1 lines 5–22): the
-ClientApp later replays stored trajectories through the same win / lose split (``fedspear.human``) and marks them
+ClientApp later replays stored trajectories through the same win / lose split (``fedspear.human.replay``) and marks them
 used. The file lives on the node and never leaves it; only the adapter trained on it does.
 
 Rules the store enforces (and refuses with :class:`TraceStoreError` naming the trajectory and field):

@@ -2,7 +2,7 @@
 
 In deployment the interaction phase happens live, in ``fedspear chat``: a person asks, the model answers, the
 person marks the answer right or wrong and types a hint, the model revises (paper Alg. 1 lines 5–22 with a human
-as the feedback source). Each conversation is stored in the node's :class:`~fedspear.traces.TraceStore`. When the
+as the feedback source). Each conversation is stored in the node's :class:`~fedspear.human.store.TraceStore`. When the
 node is selected for a round, :func:`client_round` takes the closed, fully judged, unused trajectories, replays
 their attempts through :func:`fedspear.interaction.interact` (``replay=``) with :class:`HumanFeedback` as the
 feedback source — so the win / lose split and the α weights are exactly SPEAR's — trains the adapter with the
@@ -17,8 +17,9 @@ from __future__ import annotations
 from types import SimpleNamespace
 from typing import Callable, Sequence
 
-from .tasks.base import Example
-from .traces import TraceStore, Trajectory
+from ..algorithms import ALGORITHMS
+from ..tasks.base import Example
+from .store import TraceStore, Trajectory
 
 #: Algorithms that can learn from replayed human trajectories (the others sample afresh each round).
 HUMAN_ALGORITHMS = ("spear", "feedback_sft")
@@ -71,13 +72,14 @@ class HumanFeedback:
         return hint
 
 
-def client_round(worker, store: TraceStore, *, lr: float, seed: int, server_round: int,
+def client_round(worker, cfg, store: TraceStore, *, lr: float, seed: int, server_round: int,
                  max_prompts: int | None = None) -> dict[str, float]:
     """Train the worker's adapter on the node's unused human trajectories and mark them used.
 
     Args:
-        worker: a :class:`fedspear.client.Worker` with the round's global adapter set; ``worker.cfg.algorithm``
-            must be one of ``HUMAN_ALGORITHMS``; ``worker.cfg.max_revisions`` caps the replayed revisions.
+        worker: a :class:`fedspear.worker.Worker` with the round's global adapter set.
+        cfg: the round's resolved settings; ``cfg.algorithm`` must be one of ``HUMAN_ALGORITHMS``,
+            ``cfg.max_revisions`` caps the replayed revisions.
         store: the node's trace store.
         max_prompts: most trajectories per round (None: all trainable ones), oldest first.
     Returns:
@@ -87,9 +89,6 @@ def client_round(worker, store: TraceStore, *, lr: float, seed: int, server_roun
     Raises:
         ValueError: the run's algorithm cannot learn from stored trajectories.
     """
-    from .algorithms import get_algorithm
-
-    cfg = worker.cfg
     if cfg.algorithm not in HUMAN_ALGORITHMS:
         raise ValueError(f"algorithm {cfg.algorithm!r} cannot train on human trajectories (it samples afresh each "
                          f"round); use one of {', '.join(HUMAN_ALGORITHMS)}")
@@ -102,8 +101,8 @@ def client_round(worker, store: TraceStore, *, lr: float, seed: int, server_roun
 
     examples = [as_example(t) for t in trajectories]
     replay = [[a.completion_ids for a in t.attempts] for t in trajectories]
-    metrics = get_algorithm(cfg.algorithm).client_round(
-        worker, examples, lr=lr, seed=seed, feedback=HumanFeedback(trajectories, decode), task=CHAT_TASK,
+    metrics = ALGORITHMS[cfg.algorithm].client_round(
+        worker, cfg, examples, lr=lr, seed=seed, feedback=HumanFeedback(trajectories, decode), task=CHAT_TASK,
         replay=replay)
     store.mark_used([t.id for t in trajectories], server_round)
     metrics["human-trajectories"] = len(trajectories)

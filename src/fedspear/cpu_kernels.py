@@ -1,0 +1,135 @@
+"""CPU speed patches for transformers models: the decode attention kernel, bf16 linear weights and a cheaper LoRA
+dropout (docs/performance.md measures each). None changes what the model computes beyond rounding.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+
+def bf16_supported() -> bool:
+    """True when this CPU has native bf16 matrix instructions (AVX-512 BF16 or AMX), where bf16 autocast pays."""
+    try:
+        flags = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return False
+    return "avx512_bf16" in flags or "amx_bf16" in flags
+
+
+DECODE_ATTENTION = "fedspear_sdpa"
+
+
+def decode_attention_forward(module, query, key, value, attention_mask, dropout: float = 0.0,
+                             scaling: float | None = None, is_causal: bool | None = None, **kwargs):
+    """Attention for transformers models: single-token queries (decode steps) in fp32 per key/value head; the rest
+    is transformers' own ``sdpa_attention_forward``.
+
+    A decode step is a ``[B, H, 1, D]`` query against a ``[B, KV, L, D]`` cache. Two things made it most of a decode
+    step on CPU (docs/performance.md): under bf16 autocast, SDPA runs its bf16 kernel, ≈5× slower than fp32 for one
+    query row (3.0 vs 0.57 ms per layer at B 32, H 9, L 201 on this project's machine); and with a padding mask,
+    transformers repeats the cache H/KV times (``repeat_kv``, a copy per layer per step). Here the query's heads are
+    grouped by the key/value head they read (``[B, KV, H/KV, D]``, the grouped query heads taking the place of query
+    rows), so SDPA reads the cache once, in fp32 with autocast off. The result is the same attention in higher
+    precision; prefill, training and every multi-token query are untouched.
+
+    Shapes: query ``[B, H, Q, D]``, key/value ``[B, KV, L, D]``, attention_mask bool/additive ``[B, 1, Q, L]`` or
+    None → ``([B, Q, H, D], None)`` (transformers' attention-function contract, ``integrations/sdpa_attention.py``).
+    """
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    batch, heads, q_len, dim = query.shape
+    kv_heads = key.shape[1]
+    if q_len != 1 or dropout or kwargs.get("position_bias") is not None or kwargs.get("cache") is not None \
+            or heads % kv_heads:
+        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
+                                      is_causal=is_causal, **kwargs)
+    with torch.autocast(query.device.type, enabled=False):
+        grouped = query.float().reshape(batch, kv_heads, heads // kv_heads, dim)  # [B, KV, G, D]
+        mask = attention_mask
+        if mask is not None:
+            mask = mask[:, :, :, : key.shape[2]]  # [B, 1, 1, L] broadcasts over KV and G
+            if mask.dtype != torch.bool:
+                mask = mask.float()
+        out = torch.nn.functional.scaled_dot_product_attention(
+            grouped, key.float(), value.float(), attn_mask=mask, scale=scaling)  # [B, KV, G, D]
+    return out.reshape(batch, 1, heads, dim), None
+
+
+def use_decode_attention(base) -> bool:
+    """Switch ``base`` (a transformers model using SDPA) to :func:`decode_attention_forward`; False if it uses
+    another attention implementation (left as it is)."""
+    from transformers import AttentionInterface
+    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, sdpa_mask
+
+    if getattr(base.config, "_attn_implementation", None) != "sdpa":
+        return False
+    AttentionInterface.register(DECODE_ATTENTION, decode_attention_forward)
+    ALL_MASK_ATTENTION_FUNCTIONS.register(DECODE_ATTENTION, sdpa_mask)
+    base.set_attn_implementation(DECODE_ATTENTION)
+    return True
+
+
+def store_linear_weights_bf16(base) -> int:
+    """Store the frozen ``nn.Linear`` weights and biases of ``base`` in bf16, in place; returns how many linears.
+
+    Under bf16 autocast every linear casts its fp32 weight to bf16 (round to nearest even) on every call, and backward
+    uses that cast copy; storing the cast once gives the same values, so outputs and LoRA gradients are bitwise those
+    of autocast over fp32 weights — for half the weight memory and no cast per call (per decode step it is a full
+    pass over the weights). Embeddings, norms and every other non-matmul op keep fp32, as under autocast; a tied
+    output embedding (SmolLM2, Qwen2.5-1.5B) gets its own bf16 copy so the input embedding stays fp32. Call before
+    ``add_lora``: the adapter's A/B matrices stay fp32. Only meaningful with ``autocast("bf16")``.
+    """
+    out = base.get_output_embeddings()
+    inp = base.get_input_embeddings()
+    if out is not None and inp is not None and out.weight is inp.weight:
+        out.weight = torch.nn.Parameter(inp.weight.detach().to(torch.bfloat16), requires_grad=False)
+    n = 0
+    for module in base.modules():
+        if type(module) is torch.nn.Linear:
+            module.weight.data = module.weight.data.to(torch.bfloat16)
+            if module.bias is not None:
+                module.bias.data = module.bias.data.to(torch.bfloat16)
+            n += 1
+    return n
+
+
+class FastDropout(torch.nn.Module):
+    """Inverted dropout for LoRA inputs whose keep-mask is cut from 64-bit random words instead of ``bernoulli_``.
+
+    Each element gets a uniform 16-bit draw (four per ``int64`` word from ``torch.Tensor.random_``, the full 64-bit
+    range) and is zeroed when the draw falls below ``cut = round(p · 2¹⁶)``: the drop probability is
+    ``p_eff = cut / 2¹⁶`` (|p_eff − p| ≤ 2⁻¹⁷, e.g. 0.1000061 for 0.1), and kept elements are scaled by
+    ``1 / (1 − p_eff)`` so the expectation is exactly the input, as with ``nn.Dropout``. peft draws one mask per adapted
+    projection (210 for SmolLM2-135M); on this project's CPU that costs 4.3 ns per element with ``bernoulli_`` and
+    1.3 ns here (docs/performance.md). Draws come from torch's default generator, so ``torch.manual_seed`` and
+    gradient checkpointing's RNG replay apply.
+
+    Raises:
+        ValueError: ``p`` is not in [0, 1).
+    """
+
+    BITS = 16
+
+    def __init__(self, p: float):
+        super().__init__()
+        if not 0 <= p < 1:
+            raise ValueError(f"dropout p must be in [0, 1) (got {p})")
+        self.p = p
+        self.cut = round(p * 2**self.BITS)
+        if self.cut >= 2**self.BITS:
+            raise ValueError(f"dropout p = {p} rounds to 1 at {self.BITS}-bit resolution")
+        self.p_eff = self.cut / 2**self.BITS
+        self.scale = 1.0 / (1.0 - self.p_eff)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not self.training or self.cut == 0:
+            return x
+        n = x.numel()
+        words = torch.empty((n + 3) // 4, dtype=torch.int64, device=x.device).random_(-(2**63), 2**63 - 1)
+        draws = words.view(torch.int16)[:n].view(x.shape)  # uniform on −2¹⁵ … 2¹⁵ − 1
+        return (x * self.scale).masked_fill_(draws < self.cut - 2 ** (self.BITS - 1), 0)
+
+    def extra_repr(self) -> str:
+        return f"p={self.p}"

@@ -1,0 +1,138 @@
+"""The CPU speed patches change nothing but speed and rounding: dropout's distribution, bf16 weights, decode
+attention (fedspear.cpu_kernels)."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from helpers import with_random_adapter
+
+from fedspear.interaction import render
+from fedspear.tasks import arc_challenge
+
+
+def test_fast_dropout_has_dropouts_distribution():
+    """FastDropout: zeroes a share p of elements (within 5 σ), scales the rest so the mean is kept (1/(1 − p_eff),
+    p_eff = round(p·2¹⁶)/2¹⁶), is the identity in eval mode or at p = 0, repeats under the same seed, passes the
+    gradient through the same mask, and draws independent masks for odd sizes too."""
+    from fedspear.cpu_kernels import FastDropout
+
+    n, p = 400_001, 0.1
+    drop = FastDropout(p).train()
+    assert drop.p_eff == 6554 / 65536 and abs(drop.p_eff - p) <= 2**-17
+    x = torch.ones(n, requires_grad=True)
+    torch.manual_seed(3)
+    y = drop(x)
+    zero = (y == 0).float().mean().item()
+    assert abs(zero - p) < 5 * math.sqrt(p * (1 - p) / n)
+    assert torch.equal(y[y != 0], torch.full_like(y[y != 0], 1 / (1 - drop.p_eff)))
+    y.sum().backward()
+    assert torch.equal(x.grad, y.detach())  # d/dx of mask · x / (1 - p_eff)
+    torch.manual_seed(3)
+    assert torch.equal(drop(torch.ones(n)), y.detach())
+    quarters = (y.detach()[: n - 1].view(-1, 4) == 0).float().mean(0)  # the four 16-bit draws of each word
+    assert ((quarters - p).abs() < 5 * math.sqrt(p * (1 - p) / (n // 4))).all(), quarters
+    big = FastDropout(0.5).train()(torch.ones(200_000))
+    assert abs((big == 0).float().mean().item() - 0.5) < 5 * math.sqrt(0.25 / 200_000)
+    assert drop.eval()(x) is x and FastDropout(0.0).train()(x) is x
+    for bad in (-0.1, 1.0, 0.999995):
+        with pytest.raises(ValueError, match="dropout p"):
+            FastDropout(bad)
+
+
+def test_add_lora_draws_dropout_with_fast_dropout():
+    from fedspear.model import LoraSettings, add_lora, tiny_model
+
+    kinds = lambda m: {type(d).__name__ for mod in m.modules() if isinstance(getattr(mod, "lora_dropout", None),
+                                                                             torch.nn.ModuleDict)
+                       for d in mod.lora_dropout.values()}
+    assert kinds(add_lora(tiny_model(seed=0)[0], LoraSettings(r=4, alpha=8, dropout=0.1))) == {"FastDropout"}
+    assert kinds(add_lora(tiny_model(seed=0)[0], LoraSettings(r=4, alpha=8, dropout=0.0))) == {"Identity"}
+
+
+def test_bf16_linear_weights_give_autocasts_outputs_and_gradients_bitwise():
+    """Storing the linears' weights in bf16 is what bf16 autocast computes with anyway: same logits, same LoRA
+    gradients, bit for bit; embeddings stay fp32 and the tied output embedding gets its own bf16 copy."""
+    from fedspear.cpu_kernels import store_linear_weights_bf16
+    from fedspear.model import LoraSettings, add_lora, autocast, tiny_model
+
+    models = []
+    for stored in (False, True):
+        base, tok = tiny_model(seed=0)
+        if stored:
+            assert store_linear_weights_bf16(base) > 0
+            assert base.get_input_embeddings().weight.dtype == torch.float32
+            assert base.get_output_embeddings().weight.dtype == torch.bfloat16
+        model = add_lora(base, LoraSettings(r=4, alpha=8, dropout=0.0), seed=0)
+        torch.manual_seed(1)
+        with_random_adapter(model, 0.3)
+        assert {p.dtype for n, p in model.named_parameters() if "lora_" in n} == {torch.float32}
+        models.append(model)
+    ids = torch.randint(0, len(tok), (3, 17))
+    out = []
+    for model in models:
+        with autocast("bf16"):
+            logits = model(input_ids=ids).logits  # [3, 17, V]
+            loss = logits.float().log_softmax(-1)[..., 0].mean()
+        loss.backward()
+        grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+        out.append((logits.detach(), grads))
+    assert torch.equal(out[0][0], out[1][0])
+    assert out[0][1].keys() == out[1][1].keys() and len(out[0][1]) > 0
+    for name in out[0][1]:
+        assert torch.equal(out[0][1][name], out[1][1][name]), name
+
+
+def test_decode_attention_is_sdpa_in_fp32_for_one_query_row():
+    """A decode step's attention (one query row, grouped query heads, padding mask) equals transformers' SDPA in
+    fp32; under bf16 autocast it stays fp32 (closer to the fp32 result than bf16 SDPA); longer queries are SDPA's."""
+    from types import SimpleNamespace
+
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    from fedspear.cpu_kernels import decode_attention_forward
+
+    torch.manual_seed(0)
+    module = SimpleNamespace(num_key_value_groups=3, is_causal=True, training=False)
+    b, h, kv, length, d = 4, 6, 2, 9, 8
+    k, v = torch.randn(b, kv, length, d), torch.randn(b, kv, length, d)
+    mask = torch.ones(b, 1, 1, length, dtype=torch.bool)
+    mask[0, :, :, :3] = False  # left padding of row 0
+    q = torch.randn(b, h, 1, d)
+    ref, _ = sdpa_attention_forward(module, q, k, v, mask, scaling=d**-0.5)  # [B, 1, H, D]
+    got, _ = decode_attention_forward(module, q, k, v, mask, scaling=d**-0.5)
+    assert got.shape == ref.shape == (b, 1, h, d)
+    torch.testing.assert_close(got, ref, atol=1e-6, rtol=1e-6)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        in_bf16, _ = sdpa_attention_forward(module, q, k, v, mask, scaling=d**-0.5)
+        ours, _ = decode_attention_forward(module, q, k, v, mask, scaling=d**-0.5)
+    assert ours.dtype == torch.float32 and in_bf16.dtype == torch.bfloat16
+    torch.testing.assert_close(ours, ref, atol=1e-6, rtol=1e-6)
+    assert (in_bf16.float() - ref).abs().max() > 1e-4  # bf16 SDPA really is less precise
+    q3 = torch.randn(b, h, 3, d)  # a prefill: handed to transformers' SDPA unchanged
+    torch.testing.assert_close(decode_attention_forward(module, q3, k, v, None, scaling=d**-0.5)[0],
+                               sdpa_attention_forward(module, q3, k, v, None, scaling=d**-0.5)[0])
+
+
+def test_models_decode_with_the_fp32_decode_attention_as_with_sdpa(tiny, arc_items):
+    """The loaded model uses the decode attention; greedy answers and first-step logits equal plain SDPA's."""
+    import copy
+
+    from fedspear.cpu_kernels import DECODE_ATTENTION
+    from fedspear.generation import generate
+    from fedspear.model import load_base
+
+    assert load_base("tiny-random", "fp32")[0].config._attn_implementation == DECODE_ATTENTION
+    model, tok = tiny
+    contexts = [render(tok, [arc_challenge.prompt(ex)]) for ex in arc_items]
+    runs = []
+    for impl in ("sdpa", DECODE_ATTENTION):
+        m = copy.deepcopy(model)
+        m.base_model.model.set_attn_implementation(impl)
+        first: list = []
+        runs.append((generate(m, tok, contexts, max_new_tokens=6, do_sample=False, first_logits=first),
+                     torch.stack(first)))
+    assert runs[0][0] == runs[1][0]
+    torch.testing.assert_close(runs[0][1], runs[1][1], atol=1e-5, rtol=1e-5)

@@ -207,3 +207,42 @@ def test_adapter_packing_round_trips_and_refuses_bad_layouts():
     np.testing.assert_allclose(from_record(out, layout_of(base))["w"], 1.0)
     assert list(strategy.rejected.values()) == [
         "packed adapter: the layout's tensor shapes hold 6 values, the buffer 5"]
+
+
+def test_round0_is_reused_only_from_a_run_whose_start_is_known_to_be_the_identity(tmp_path):
+    """``round0_from`` borrows the base model's evaluation when the source's settings agree and its start adapter was
+    the identity: shown by its round-0 adapter on disk, or — for a copied result without adapters, such as a committed
+    grid cell — by the ``start_identity`` its round 0 recorded. Without either, or with a trained (non-zero B) start,
+    or with other evaluation settings, the run evaluates round 0 itself."""
+    from fedspear.fl.server_app import reused_round0
+    from fedspear.rundir import RunDir
+
+    identity = {"m.lora_A.weight": np.ones((2, 3), np.float32), "m.lora_B.weight": np.zeros((3, 2), np.float32)}
+    trained = {**identity, "m.lora_B.weight": np.full((3, 2), 0.5, np.float32)}
+    evaluation = {"n": 4, "correct_gen": "1010", "acc_gen": 0.5, "seconds_evaluate": 3.0}
+
+    def source(name, record_extra, adapter=None):
+        run = RunDir(tmp_path / name)
+        run.check_or_write_config(RunConfig().resolved())
+        run.append({"round": 0, "eval": evaluation, **record_extra})
+        if adapter is not None:
+            run.save_adapter(0, adapter, None)
+        return run
+
+    def borrow(run, **changes):
+        return reused_round0(RunConfig(round0_from=str(run.path), **changes).resolved(), identity)
+
+    copied = source("copied", {"start_identity": True})  # metrics.jsonl + config.toml, no adapters
+    assert copied.serves_round0()
+    assert borrow(copied) == {**evaluation, "reused_from": str(copied.path)}
+    assert borrow(copied, eval_size=evaluation["n"] + 1) is None  # another evaluation subset
+    assert reused_round0(RunConfig(round0_from=str(copied.path)).resolved(), trained) is None  # own start trained
+
+    legacy = source("legacy", {})  # written before runs recorded their start: unprovable without the adapter
+    assert not legacy.serves_round0() and borrow(legacy) is None
+    on_disk = source("on-disk", {}, adapter=identity)
+    assert on_disk.serves_round0() and borrow(on_disk)["reused_from"] == str(on_disk.path)
+    bad_start = source("bad-start", {"start_identity": True}, adapter=trained)  # the adapter on disk decides
+    assert borrow(bad_start) is None
+    (copied.path / "config.toml").unlink()  # no settings to compare with
+    assert not copied.serves_round0() and borrow(copied) is None

@@ -55,8 +55,11 @@ def _is_identity(arrays: dict[str, np.ndarray]) -> bool:
 def reused_round0(cfg: RunConfig, arrays: dict[str, np.ndarray]) -> dict | None:
     """The round-0 evaluation of ``cfg.round0_from`` when it is provably the same measurement, else None.
 
-    Same when the other run's resolved settings agree on ``ROUND0_KEYS`` and both start adapters are the identity:
-    then both evaluate the same base model greedily on the same items. The reused record names its source.
+    Same when the other run's resolved settings (its ``config.toml``) agree on ``ROUND0_KEYS`` and both start
+    adapters are the identity: then both evaluate the same base model greedily on the same items. The other run's
+    start is known from its round-0 adapter on disk or, for a copied result without adapters (committed grid cells),
+    from its round-0 record's ``start_identity``, which the run wrote after checking that adapter. The reused record
+    names its source.
     """
     if not cfg.round0_from or not _is_identity(arrays):
         return None
@@ -66,7 +69,10 @@ def reused_round0(cfg: RunConfig, arrays: dict[str, np.ndarray]) -> dict | None:
         return None
     try:
         other_cfg = load_config(other.config_path).resolved()
-        if not _is_identity(other.load_adapter(0)):
+        if other.adapter_dir(0).exists():
+            if not _is_identity(other.load_adapter(0)):
+                return None
+        elif records[0].get("start_identity") is not True:
             return None
     except Exception:  # noqa: BLE001 - an unreadable source just means: evaluate here
         return None
@@ -312,7 +318,8 @@ def run_server(grid: Grid, cfg: RunConfig, on_round: Callable[[dict], None] | No
             wall = time.perf_counter() - t0
             run.save_adapter(0, arrays, evaluator.peft_config())
             record = {"round": 0, "eval": metrics, "seconds": {"evaluate": metrics["seconds_evaluate"]},
-                      "wall_clock": wall, "dtype": evaluator.dtype_used, "skipped_eval_records": len(evaluator.skipped),
+                      "start_identity": _is_identity(arrays), "wall_clock": wall, "dtype": evaluator.dtype_used,
+                      "skipped_eval_records": len(evaluator.skipped),
                       "peak_rss_mb": {"server": peak_rss_mb()}, "rss_after_round_mb": {"server": release_memory()}}
             run.append(record)
             records.append(record)

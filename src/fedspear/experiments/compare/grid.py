@@ -7,7 +7,8 @@ with the same task, seed and axes therefore see the identical data partition, cl
 (all derived from the seed). A cell whose run directory already holds every round is skipped; an interrupted one
 resumes after its last completed round (``fedspear run``'s own resume). The round-0 evaluation — the base model on
 the fixed held-out subset — is computed once per task and reused by the other cells (``round0_from``; checked, see
-:func:`fedspear.fl.server_app.reused_round0`).
+:func:`fedspear.fl.server_app.reused_round0`), also from a finished cell copied in without its adapters (a committed
+result: ``config.toml`` and a ``metrics.jsonl`` whose round 0 recorded ``start_identity``; ``RunDir.serves_round0``).
 
 A grid row may be an algorithm variant (``VARIANTS``: ``opsd_authors`` is OPSD with ``opsd_variant = "authors"``),
 so both OPSD formulations sit in one table.
@@ -351,7 +352,7 @@ def run_grid(grid: Grid, output: Path, on_event: Callable[[str, Cell, float], No
     first_of_task: dict[str, Path] = {}
     for cell in cells:
         if cell.done():
-            if RunDir(cell.path).adapter_dir(0).exists():  # reusable (a copied result without adapters is not)
+            if RunDir(cell.path).serves_round0():  # a copied result without config.toml and start record is not
                 first_of_task.setdefault(cell.task, cell.path)
             if on_event:
                 on_event("skip", cell, 0.0)

@@ -542,10 +542,14 @@ def eval_(
 def bench(
     model: str = typer.Option("smollm2-135m", help="packaged name, local folder or hub id"),
     dtype: str = typer.Option("auto", help="auto | bf16 | fp32"),
+    device: str = typer.Option("auto", help="auto | cpu | cuda: where to measure (auto: a CUDA GPU if torch sees "
+                               "one)"),
     quick: bool = typer.Option(False, help="tiny sizes (seconds, not minutes): for tests"),
     with_round: bool = typer.Option(True, "--round/--no-round", help="also time one full SPEAR round"),
     as_json: bool = typer.Option(False, "--json", help="print JSON instead of tables"),
     output: Optional[Path] = typer.Option(None, help="also write the JSON here (and a .md beside it)"),
+    results_dir: Optional[Path] = typer.Option(None, "--results-dir", help="also write <dir>/<machine kind>-<model>-"
+                                               "<dtype>[-scaling].json and .md (e.g. docs/results/bench)"),
     scaling: bool = typer.Option(False, "--scaling", help="instead: how a round's cost grows with rollouts, "
                                  "revisions, new tokens and clients (3+ sizes each; ≈ 15 min); with --output also "
                                  "a .png"),
@@ -553,7 +557,7 @@ def bench(
     """Measure this machine's bounds, fedspear's throughputs against them, and SPEAR rounds (median of 3)."""
     import json
 
-    from .experiments.bench import plot_scaling, render, render_scaling, run_bench, scaling as run_scaling
+    from .experiments.bench import plot_scaling, render, render_scaling, result_stem, run_bench, scaling as run_scaling
     from .model_zoo import ModelError
 
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
@@ -562,19 +566,22 @@ def bench(
             result = run_scaling(model=model, dtype=dtype, quick=quick,
                                  progress=lambda text: print(f"measuring {text}", file=sys.stderr, flush=True))
         else:
-            result = run_bench(model=model, dtype=dtype, quick=quick, round_=with_round,
+            result = run_bench(model=model, dtype=dtype, quick=quick, round_=with_round, device=device,
                                progress=lambda text: print(f"measuring {text}", file=sys.stderr, flush=True))
     except (ModelError, ValueError) as err:
         _fail(str(err))
     result["command"] = "fedspear " + " ".join(sys.argv[1:])
     markdown = render_scaling(result) if scaling else render(result)
     text = json.dumps(result, indent=2)
-    if output:
-        output.parent.mkdir(parents=True, exist_ok=True)
-        output.write_text(text + "\n")
-        output.with_suffix(".md").write_text(markdown)
+    targets = [output] if output else []
+    if results_dir:
+        targets.append(results_dir / f"{result_stem(result, scaling)}.json")
+    for path in targets:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(text + "\n")
+        path.with_suffix(".md").write_text(markdown)
         if scaling:
-            plot_scaling(result, output.with_suffix(".png"))
+            plot_scaling(result, path.with_suffix(".png"))
     print(text if as_json else markdown)
 
 

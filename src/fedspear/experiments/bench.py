@@ -16,6 +16,12 @@ Three parts, each printed next to its bound as a utilisation ratio:
    steps of batch 4, LoRA r16 on all layers), with seconds per phase and peak memory, read back from the run's
    ``metrics.jsonl``; the round with the median seconds per client-round is reported.
 
+With a CUDA GPU (``device = auto`` or ``cuda``) the same three parts run on it: its matmul FLOP/s and memory
+bandwidth, the model's throughputs against them, and the rounds with the model on the GPU.
+
+Every result names its machine kind (:func:`machine_kind`, e.g. ``zen5-avx512bf16``) and is judged against issue
+19's targets (:func:`targets`); ``--results-dir`` files it under that name.
+
 Figures are measurements of this machine at this moment: run it on an otherwise idle machine.
 """
 
@@ -33,22 +39,70 @@ import numpy as np
 import torch
 
 from ..config import RunConfig
-from ..model import autocast
+from ..model import autocast, model_device
 
 
-def machine() -> dict[str, Any]:
-    """What the figures were measured on: CPU model and family (``/proc/cpuinfo``), threads torch uses, torch, and
-    the fedspear commit when run from a git checkout."""
+def _amd_core(family: int, model: int) -> str | None:
+    """AMD's core generation from ``/proc/cpuinfo``'s family and model (AMD's processor programming references);
+    None when not one of these."""
+    if family == 26:
+        return "zen5"
+    if family == 25:
+        return "zen4" if 0x10 <= model <= 0x1F or 0x60 <= model <= 0x7F or 0xA0 <= model <= 0xAF else "zen3"
+    if family == 23:
+        return "zen2" if model >= 0x30 else "zen1"
+    return None
+
+
+def machine_kind(info: dict[str, Any]) -> str:
+    """A short name for what decides fedspear's speed here — the core generation and the vector units torch can use —
+    e.g. ``zen5-avx512bf16``, ``zen4-avx2`` (a Zen 4 whose AVX-512 the virtual machine hides: bf16 is emulated and
+    ``auto`` picks fp32) or ``cuda-nvidia-a100-sxm4-40gb``; used in file names under ``docs/results/bench/``.
+
+    ``info`` is :func:`machine`'s dict (``vendor``, ``family``, ``model_number``, ``flags``, ``gpu``).
+    """
+    if info.get("gpu"):
+        return "cuda-" + "-".join("".join(c if c.isalnum() else " " for c in info["gpu"].lower()).split())
+    flags = set(info.get("flags", ()))
+    isa = ("avx512bf16" if "avx512_bf16" in flags else "avx512" if "avx512f" in flags
+           else "avx2" if "avx2" in flags else (platform.machine() or "cpu").lower())
+    family, model = info.get("family"), info.get("model_number")
+    core = None
+    if info.get("vendor") == "AuthenticAMD" and family is not None and model is not None:
+        core = _amd_core(family, model)
+    if core is None:
+        vendor = {"AuthenticAMD": "amd", "GenuineIntel": "intel"}.get(info.get("vendor") or "", "cpu")
+        core = f"{vendor}-f{family}m{model}" if family is not None else vendor
+    return f"{core}-{isa}"
+
+
+def machine(gpu: bool = False) -> dict[str, Any]:
+    """What the figures were measured on: CPU model, vendor, family and model number and its flags
+    (``/proc/cpuinfo``), the CUDA GPU when ``gpu`` (the figures are the GPU's), threads torch uses, torch, the
+    fedspear commit when run from a git checkout, and the ``kind`` (:func:`machine_kind`)."""
     info: dict[str, Any] = {"cpu": platform.processor() or platform.machine(), "threads": torch.get_num_threads(),
                             "torch": torch.__version__}
     try:
-        fields = dict(line.split(":", 1) for line in Path("/proc/cpuinfo").read_text().splitlines() if ":" in line)
-        fields = {k.strip(): v.strip() for k, v in fields.items()}
+        fields: dict[str, str] = {}
+        for line in Path("/proc/cpuinfo").read_text().splitlines():  # the first processor's block
+            if not line.strip() and fields:
+                break
+            if ":" in line:
+                key, value = line.split(":", 1)
+                fields.setdefault(key.strip(), value.strip())
         info["cpu"] = f"{fields.get('model name', info['cpu'])} (family {fields.get('cpu family', '?')}, model " \
                       f"{fields.get('model', '?')})"
-        info["avx512_bf16"] = "avx512_bf16" in fields.get("flags", "").split()
+        info["vendor"] = fields.get("vendor_id")
+        if fields.get("cpu family", "").isdigit() and fields.get("model", "").isdigit():
+            info["family"], info["model_number"] = int(fields["cpu family"]), int(fields["model"])
+        flags = fields.get("flags", "").split()
+        info["avx512_bf16"] = "avx512_bf16" in flags
+        info["flags"] = sorted(f for f in flags if f.startswith(("avx", "amx", "fma")))
     except OSError:
         pass
+    if gpu:
+        info["gpu"] = torch.cuda.get_device_name(0)
+    info["kind"] = machine_kind(info)
     try:
         import subprocess
 
@@ -62,30 +116,39 @@ def machine() -> dict[str, Any]:
     return info
 
 
-def _timed(fn, min_seconds: float) -> tuple[float, int]:
-    """Run ``fn`` once to warm up, then repeatedly for at least ``min_seconds`` → (seconds per call, calls)."""
+def _sync(device: torch.device | str) -> None:
+    """Wait for the device's queued work (a CUDA GPU runs asynchronously; the CPU needs nothing)."""
+    if torch.device(device).type == "cuda":
+        torch.cuda.synchronize()
+
+
+def _timed(fn, min_seconds: float, device: torch.device | str = "cpu") -> tuple[float, int]:
+    """Run ``fn`` once to warm up, then repeatedly for at least ``min_seconds`` → (seconds per call, calls); on a
+    GPU each call is waited for."""
     fn()
+    _sync(device)
     calls, start = 0, time.perf_counter()
     while True:
         fn()
+        _sync(device)
         calls += 1
         elapsed = time.perf_counter() - start
         if elapsed >= min_seconds:
             return elapsed / calls, calls
 
 
-def matmul_flops(dtype: torch.dtype, n: int = 1024, seconds: float = 1.0) -> float:
-    """Dense matmul FLOP/s for ``n × n`` operands of ``dtype`` (2n³ FLOPs per product)."""
-    a, b = torch.randn(n, n).to(dtype), torch.randn(n, n).to(dtype)
-    per_call, _ = _timed(lambda: torch.mm(a, b), seconds)
+def matmul_flops(dtype: torch.dtype, n: int = 1024, seconds: float = 1.0, device: str = "cpu") -> float:
+    """Dense matmul FLOP/s for ``n × n`` operands of ``dtype`` on ``device`` (2n³ FLOPs per product)."""
+    a, b = torch.randn(n, n, device=device).to(dtype), torch.randn(n, n, device=device).to(dtype)
+    per_call, _ = _timed(lambda: torch.mm(a, b), seconds, device)
     return 2 * n**3 / per_call
 
 
-def memory_bandwidth(megabytes: int = 256, seconds: float = 1.0) -> float:
-    """Bytes/s of a large float32 tensor copy (each byte counted once read, once written)."""
+def memory_bandwidth(megabytes: int = 256, seconds: float = 1.0, device: str = "cpu") -> float:
+    """Bytes/s of a large float32 tensor copy on ``device`` (each byte counted once read, once written)."""
     n = megabytes * 2**20 // 4
-    src, dst = torch.ones(n), torch.empty(n)
-    per_call, _ = _timed(lambda: dst.copy_(src), seconds)
+    src, dst = torch.ones(n, device=device), torch.empty(n, device=device)
+    per_call, _ = _timed(lambda: dst.copy_(src), seconds, device)
     return 2 * n * 4 / per_call
 
 
@@ -127,26 +190,30 @@ def train_flops(counts: dict[str, int], batch: int, length: int, kept: int) -> f
 
 @torch.no_grad()
 def prefill_tokens_per_s(model, dtype_used: str, batch: int, length: int, seconds: float) -> float:
-    ids = torch.randint(100, 1000, (batch, length))
+    """One forward over ``batch × length`` random tokens, logits at the last position → tokens/s."""
+    device = model_device(model)
+    ids = torch.randint(100, 1000, (batch, length), device=device)
     model.eval()
 
     def run():
-        with autocast(dtype_used):
+        with autocast(dtype_used, device.type):
             model(input_ids=ids, use_cache=False, logits_to_keep=1)
-    per_call, _ = _timed(run, seconds)
+    per_call, _ = _timed(run, seconds, device)
     return batch * length / per_call
 
 
 @torch.no_grad()
 def decode_tokens_per_s(model, tokenizer, dtype_used: str, batch: int, prompt: int, new: int) -> float:
     """Greedy decoding of exactly ``new`` tokens per row after a ``prompt``-token prefill; prefill time excluded."""
-    ids = torch.randint(100, 1000, (batch, prompt))
+    device = model_device(model)
+    ids = torch.randint(100, 1000, (batch, prompt), device=device)
     model.eval()
 
     def gen(n):
-        with autocast(dtype_used):
+        with autocast(dtype_used, device.type):
             model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, min_new_tokens=n,
                            do_sample=False, pad_token_id=tokenizer.pad_token_id, use_cache=True)
+        _sync(device)
     gen(2)
     t0 = time.perf_counter()
     gen(1)
@@ -160,45 +227,56 @@ def decode_tokens_per_s(model, tokenizer, dtype_used: str, batch: int, prompt: i
 def train_tokens_per_s(model, dtype_used: str, batch: int, length: int, seconds: float, kept: int = 16) -> float:
     """Forward + backward over ``batch × length`` tokens with logits for the last ``kept`` positions (the completion
     window of a SPEAR batch); LoRA parameters only get gradients. Dropout as configured (training mode)."""
-    ids = torch.randint(100, 1000, (batch, length))
+    device = model_device(model)
+    ids = torch.randint(100, 1000, (batch, length), device=device)
     model.train()
 
     def step():
-        with autocast(dtype_used):
+        with autocast(dtype_used, device.type):
             logits = model(input_ids=ids, use_cache=False, logits_to_keep=kept).logits
         logits.float().logsumexp(-1).mean().backward()
         model.zero_grad(set_to_none=True)
-    per_call, _ = _timed(step, seconds)
+    per_call, _ = _timed(step, seconds, device)
     model.eval()
     return batch * length / per_call
 
 
 def run_bench(model: str = "smollm2-135m", dtype: str = "auto", quick: bool = False, round_: bool = True,
-              output_dir: str | None = None, progress: Callable[[str], None] | None = None) -> dict[str, Any]:
+              output_dir: str | None = None, progress: Callable[[str], None] | None = None,
+              device: str = "auto") -> dict[str, Any]:
     """Measure everything (see the module docstring) → a JSON-able dict.
 
     ``quick`` shrinks every size (for tests); ``round_=False`` skips the SPEAR round. ``progress(text)`` is called
-    before each measurement and after each SPEAR round.
+    before each measurement and after each SPEAR round. ``device`` (auto | cpu | cuda): where the bounds, the
+    throughputs and the rounds are measured (``auto``: a CUDA GPU when torch sees one).
+
+    Raises:
+        ModelError: the model cannot be loaded, or ``device = cuda`` without a GPU.
     """
     say = progress or (lambda text: None)
     from ..evaluation import evaluate
-    from ..model import LoraSettings, add_lora, load_base
+    from ..model import LoraSettings, add_lora, load_base, resolve_device
     from ..tasks import arc_challenge
 
     s = 0.2 if quick else 1.5  # seconds per micro-benchmark
+    where = resolve_device(device)
     out: dict[str, Any] = {
         "date": _dt.datetime.now().isoformat(timespec="seconds"),
-        "machine": machine(),
+        "machine": machine(gpu=where == "cuda"),
         "model": model,
+        "device": where,
     }
-    say("this machine's bounds (matmul bf16 / fp32, memory bandwidth)")
+    gpu = where == "cuda"
+    say(f"this machine's bounds on the {where.upper()} (matmul bf16 / fp32, memory bandwidth)")
+    n = (1024 if quick else 8192) if gpu else (256 if quick else 1024)  # a GPU needs large products to fill up
     bounds = {
-        "matmul_flops_bf16": matmul_flops(torch.bfloat16, 256 if quick else 1024, s),
-        "matmul_flops_fp32": matmul_flops(torch.float32, 256 if quick else 1024, s),
-        "memory_bandwidth_bytes_per_s": memory_bandwidth(16 if quick else 256, s),
+        "matmul_flops_bf16": matmul_flops(torch.bfloat16, n, s, where),
+        "matmul_flops_fp32": matmul_flops(torch.float32, n, s, where),
+        "memory_bandwidth_bytes_per_s": memory_bandwidth((256 if quick else 2048) if gpu else (16 if quick else 256),
+                                                         s, where),
     }
     out["bounds"] = bounds
-    base, tokenizer, dtype_used = load_base(model, dtype, "cpu")  # the CPU's bounds and phases (a GPU's: not yet)
+    base, tokenizer, dtype_used = load_base(model, dtype, where)
     peft = add_lora(base, LoraSettings())
     out["dtype"] = dtype_used
     counts = flop_counts(peft)
@@ -237,12 +315,12 @@ def run_bench(model: str = "smollm2-135m", dtype: str = "auto", quick: bool = Fa
     }
     del peft, base
     if round_:
-        out["round"] = spear_round(model, dtype, quick, output_dir, progress=say)
+        out["round"] = spear_round(model, dtype, quick, output_dir, progress=say, device=where)
     return out
 
 
 def spear_round(model: str, dtype: str, quick: bool, output_dir: str | None, rounds: int = 3,
-                progress: Callable[[str], None] | None = None) -> dict[str, Any]:
+                progress: Callable[[str], None] | None = None, device: str = "cpu") -> dict[str, Any]:
     """SPEAR rounds on the reference configuration through the simulation engine; seconds per phase.
 
     Runs ``rounds`` rounds (evaluation only at round 0 and after the last, and subtracted) and reports the round with
@@ -256,7 +334,8 @@ def spear_round(model: str, dtype: str, quick: bool, output_dir: str | None, rou
 
     out_dir = output_dir or tempfile.mkdtemp(prefix="fedspear-bench-")
     cfg = RunConfig(
-        task="arc_challenge", model=model, dtype=dtype, rounds=rounds, num_clients=10 if not quick else 2,
+        task="arc_challenge", model=model, dtype=dtype, device=device, rounds=rounds,
+        num_clients=10 if not quick else 2,
         clients_per_round=3 if not quick else 1, rollouts_per_round=16 if not quick else 2, max_revisions=2,
         max_new_tokens=16 if not quick else 4, local_steps=2, batch_size=4, eval_size=100 if not quick else 4,
         eval_every=rounds, eval_generation=True, output_dir=str(Path(out_dir) / "run"),
@@ -326,7 +405,7 @@ def scaling(model: str = "smollm2-135m", dtype: str = "auto", quick: bool = Fals
     import statistics
 
     from ..fl.simulation import simulate
-    from ..model import get_adapter
+    from ..model import get_adapter, resolve_device
     from ..rundir import RunDir
     from ..worker import Worker
 
@@ -334,10 +413,11 @@ def scaling(model: str = "smollm2-135m", dtype: str = "auto", quick: bool = Fals
     ref = dict(task="arc_challenge", model=model, dtype=dtype, num_clients=10 if not quick else 2,
                clients_per_round=3 if not quick else 1, rollouts_per_round=16 if not quick else 2, max_revisions=2,
                max_new_tokens=16 if not quick else 4, local_steps=2, batch_size=4)
-    out: dict[str, Any] = {"date": _dt.datetime.now().isoformat(timespec="seconds"), "machine": machine(),
-                           "reference": ref, "axes": {}}
+    out: dict[str, Any] = {"date": _dt.datetime.now().isoformat(timespec="seconds"),
+                           "machine": machine(gpu=resolve_device("auto") == "cuda"), "reference": ref, "axes": {}}
     worker = Worker.load(RunConfig(**ref, rounds=1))
     cfg = worker.loaded  # resolved: the task's defaults filled in
+    out["dtype"] = worker.dtype_used
     identity = get_adapter(worker.model)
     parts = np.array_split(np.arange(len(worker.examples)), cfg.num_clients)
     phases = ("generate_initial", "generate_revisions", "train")
@@ -385,7 +465,8 @@ def render_scaling(result: dict[str, Any]) -> str:
     """Markdown tables of :func:`scaling`'s result (one per axis)."""
     m = result.get("machine", {})
     lines = [f"# fedspear bench --scaling — {result['reference']['model']}, {result.get('date', '')}", "",
-             f"Machine: {m.get('cpu', '?')}, {m.get('threads', '?')} threads, torch {m.get('torch', '?')}"
+             f"Machine kind: **{m.get('kind', '?')}** — {m.get('cpu', '?')}, {m.get('threads', '?')} threads, torch "
+             f"{m.get('torch', '?')}"
              + (f", fedspear {m['fedspear_commit']}" if m.get("fedspear_commit") else "") + ".",
              *([f"Command: `{result['command']}`"] if result.get("command") else []), "",
              f"Reference: {json.dumps(result['reference'])}", ""]
@@ -432,6 +513,80 @@ def plot_scaling(result: dict[str, Any], path: Path) -> Path:
     return path
 
 
+def result_stem(result: dict[str, Any], scaling: bool = False) -> str:
+    """File stem for a result under ``docs/results/bench/``: ``<machine kind>-<model>-<dtype>[-scaling]``, e.g.
+    ``zen5-avx512bf16-smollm2-135m-bf16`` (the model's last path component when it is a folder or hub id)."""
+    model = str(result.get("model") or result.get("reference", {}).get("model", "model")).rstrip("/").split("/")[-1]
+    dtype = result.get("dtype") or result.get("reference", {}).get("dtype", "auto")
+    return f"{result['machine'].get('kind', 'unknown')}-{model}-{dtype}" + ("-scaling" if scaling else "")
+
+
+# The performance issue's reference (issue 19): the SPEAR authors' code on the reference configuration, fp32, their
+# defaults, measured back to back with fedspear 2df42ef on one machine (not redistributable: compared by figures).
+AUTHORS_REFERENCE = {
+    "machine_kind": "zen4-avx2",
+    "machine": "2-core AMD EPYC Zen 4, AVX2 only (no AVX-512, no bf16 units), fp32",
+    "seconds_per_client_round": 66.5,  # median of rounds 1/2/3: 69.3 / 66.5 / 61.8
+    "peak_rss_mib": 4.7 * 1024,  # one process playing every client
+}
+DECODE_TARGET = 0.30  # of the bandwidth bound, at batch 8 and 32
+ROUND_TARGET = 0.5  # of the authors' seconds per client-round
+# peak resident memory, MiB, per model (the reference configuration; issue 19 item 3)
+MEMORY_TARGETS_MIB = {"smollm2-135m": {"client": 2.5 * 1024, "server": 2 * 1024},
+                      "qwen2.5-coder-1.5b": {"client": 10 * 1024}}
+
+
+def targets(result: dict[str, Any]) -> list[dict[str, Any]]:
+    """Issue 19's targets against a :func:`run_bench` result: one row each with ``target``, ``measured`` (text),
+    ``met`` (bool) and ``note`` (by how much a missed target is missed, and the bound or reference it is judged
+    against). Targets whose measurement the result lacks (``--no-round``, another model) are left out.
+
+    Decode: tokens/s ≥ 30% of the bandwidth bound at batch 8 and 32. Client-round: ≤ 0.5 × the authors' 66.5 s,
+    which was measured on ``AUTHORS_REFERENCE["machine_kind"]``: on another kind the ratio compares two machines and
+    the note says so. Memory: peak RSS of the client and the server per ``MEMORY_TARGETS_MIB``.
+    """
+    rows: list[dict[str, Any]] = []
+    kind = result.get("machine", {}).get("kind", "?")
+    for name in ("batch_8", "batch_32"):
+        d = result.get("throughput", {}).get("decode", {}).get(name)
+        if d is None:
+            continue
+        met = d["utilisation"] >= DECODE_TARGET
+        rows.append({
+            "target": f"decode {name.replace('_', ' ')} ≥ {DECODE_TARGET:.0%} of the bandwidth bound",
+            "measured": f"{d['utilisation']:.0%} ({d['tokens_per_s']:.0f} of {d['bound_tokens_per_s']:.0f} tokens/s)",
+            "met": met,
+            "note": "" if met else f"missed by {DECODE_TARGET - d['utilisation']:.0%} of the bound "
+                                   f"(needs {DECODE_TARGET * d['bound_tokens_per_s']:.0f} tokens/s)",
+        })
+    r = result.get("round")
+    if r is not None:
+        ref = AUTHORS_REFERENCE["seconds_per_client_round"]
+        ratio = r["seconds_per_client_round"] / ref
+        same = kind == AUTHORS_REFERENCE["machine_kind"]
+        note = "" if ratio <= ROUND_TARGET else f"missed: needs ≤ {ROUND_TARGET * ref:.1f} s, " \
+                                                f"{r['seconds_per_client_round'] - ROUND_TARGET * ref:.1f} s more"
+        if not same:
+            note = (note + "; " if note else "") + (f"the reference was measured on {AUTHORS_REFERENCE['machine']}, "
+                                                    f"this is {kind}: a ratio across machines")
+        rows.append({
+            "target": f"SPEAR client-round ≤ {ROUND_TARGET} × the authors' {ref} s",
+            "measured": f"{r['seconds_per_client_round']:.1f} s = {ratio:.2f} ×",
+            "met": ratio <= ROUND_TARGET, "note": note,
+        })
+        for who, limit in MEMORY_TARGETS_MIB.get(result.get("model", ""), {}).items():
+            peak = r.get("peak_rss_mb", {}).get(who)
+            if peak is None:
+                continue
+            rows.append({
+                "target": f"peak RSS of the {who} ≤ {limit / 1024:.1f} GiB",
+                "measured": f"{peak / 1024:.2f} GiB",
+                "met": peak <= limit,
+                "note": "" if peak <= limit else f"missed by {(peak - limit) / 1024:.2f} GiB",
+            })
+    return rows
+
+
 def render(result: dict[str, Any]) -> str:
     """Markdown tables of a bench result."""
     b, t = result["bounds"], result["throughput"]
@@ -439,7 +594,9 @@ def render(result: dict[str, Any]) -> str:
     lines = [
         f"# fedspear bench — {result['model']} ({result['dtype']}), {result['date']}",
         "",
-        f"Machine: {result['machine']['cpu']}, {result['machine']['threads']} threads, torch "
+        f"Machine kind: **{result['machine'].get('kind', '?')}** — {result['machine']['cpu']}"
+        + (f", GPU {result['machine']['gpu']}" if result['machine'].get('gpu') else "")
+        + f", {result['machine']['threads']} threads, torch "
         f"{result['machine']['torch']}" + (f", fedspear {result['machine']['fedspear_commit']}"
                                              if result['machine'].get('fedspear_commit') else "") + ".",
         *([f"Command: `{result['command']}`"] if result.get("command") else []),
@@ -484,4 +641,9 @@ def render(result: dict[str, Any]) -> str:
             f"{r.get('rss_after_round_mb', {}).get('client', float('nan')):.0f} MiB, server "
             f"{r.get('rss_after_round_mb', {}).get('server', float('nan')):.0f} MiB.",
         ]
+    rows = targets(result)
+    if rows:
+        lines += ["", "Targets (issue 19):", "", "| target | measured | met | note |", "|---|---|---|---|",
+                  *[f"| {t['target']} | {t['measured']} | {'yes' if t['met'] else '**no**'} | {t['note']} |"
+                    for t in rows]]
     return "\n".join(lines) + "\n"

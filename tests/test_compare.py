@@ -109,6 +109,17 @@ def test_item_paired_difference_between_two_algorithms_by_hand():
         item_paired_diff(["1100"], ["010"])
 
 
+def test_margin_gap_between_two_tasks_by_hand():
+    """SPEAR − baseline +8 [+2, +14] pp on one task, +3 [−1, +7] on another: gap 5, half-width √(6² + 4²) = 7.2111."""
+    from fedspear.experiments.compare.stats import margin_gap
+
+    assert margin_gap((0.08, 0.02, 0.14), (0.03, -0.01, 0.07)) == pytest.approx((0.05, -0.022111, 0.122111), abs=1e-6)
+    with pytest.raises(ValueError, match="not a finite interval"):
+        margin_gap((0.08, 0.09, 0.14), (0.03, -0.01, 0.07))
+    with pytest.raises(ValueError, match="not a finite interval"):
+        margin_gap((0.08, float("nan"), 0.14), (0.03, -0.01, 0.07))
+
+
 @pytest.mark.slow
 def test_compare_two_cells_end_to_end_and_resume(tmp_path):
     """The tiny preset (SPEAR and GRPO, 1 round each) through the CLI: comparison.md, comparison.json and the plots;

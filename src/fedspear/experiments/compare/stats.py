@@ -75,6 +75,25 @@ def item_paired_diff(a: list[str], b: list[str], z: float = 1.959964) -> tuple[f
     return _items_ci(rows, z)
 
 
+def margin_gap(first: tuple[float, float, float], second: tuple[float, float, float]) -> tuple[float, float, float]:
+    """How much larger a margin is in one experiment than in another on different items (e.g. SPEAR minus a
+    baseline on StrategyQA against the same on ARC-Challenge): ``first`` and ``second`` are ``(diff, low, high)``
+    95% normal intervals such as :func:`item_paired_diff` gives; the two are independent (no item in common), so
+    the gap ``first − second`` has half-width √(h₁² + h₂²), each h = (high − low) / 2 → ``(gap, low, high)``.
+
+    Raises:
+        ValueError: an interval that does not contain its own estimate, or is not finite.
+    """
+    halves = []
+    for diff, low, high in (first, second):
+        if not all(math.isfinite(x) for x in (diff, low, high)) or not low <= diff <= high:
+            raise ValueError(f"margin_gap: ({diff}, {low}, {high}) is not a finite interval around its estimate")
+        halves.append((high - low) / 2)
+    gap = first[0] - second[0]
+    half = math.hypot(*halves)
+    return gap, gap - half, gap + half
+
+
 def _check_outcomes(outcome: str, group: list[str]) -> str:
     if not group or not outcome or any(len(o) != len(outcome) for o in group) or set(outcome) - {"0", "1"}:
         raise ValueError("per-item outcomes must be non-empty strings of 0/1 of one length (the same items)")

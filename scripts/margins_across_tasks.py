@@ -7,7 +7,7 @@ over the seeds) — and gives the gap between the two margins with a 95% interva
 quadrature). A baseline in only one grid (e.g. OPSD's authors' variant, which the ARC grid does not run) is listed
 without a gap.
 
-    .venv/bin/python scripts/margins_across_tasks.py docs/results/cpu-qwen1.5b-sqa/comparison.json \\
+    .venv/bin/python scripts/margins_across_tasks.py <StrategyQA grid>/comparison.json \\
         docs/results/cpu-qwen1.5b/comparison.json --metric acc_gen
 
 The grids differ in more than the task (rounds, revisions, learning rate, evaluation items); the gap answers "is the
@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
 from pathlib import Path
 
@@ -52,12 +53,17 @@ def main(argv: list[str] | None = None) -> str:
     lines = [f"SPEAR minus each baseline ({args.metric}, pp; 95% interval over items, seeds averaged per item): "
              f"{task1} against {task2}", "",
              f"| baseline | {task1} | {task2} | gap ({task1} − {task2}) | seeds |", "|---|---|---|---|---|"]
+    if task1 == task2:
+        print(f"warning: both grids are on {task1}; their items overlap, so the gap's interval (which assumes "
+              "independent items) is not valid", file=sys.stderr)
     for baseline in [*m1, *(b for b in m2 if b not in m1)]:
         a, b = m1.get(baseline), m2.get(baseline)
+        # a row without per-item outcomes has no item interval (NaN in comparison.json): shown, not compared
+        a, b = (r if r and math.isfinite(r["item_low"]) and math.isfinite(r["item_high"]) else None for r in (a, b))
         cell = [f"{pp(r['diff'])} [{pp(r['item_low'])}, {pp(r['item_high'])}]" if r else "–" for r in (a, b)]
-        if a and b:
-            gap, low, high = margin_gap((a["diff"], a["item_low"], a["item_high"]),
-                                        (b["diff"], b["item_low"], b["item_high"]))
+        if a and b:  # the item interval's own centre (the seed mean can differ from it by rounding)
+            gap, low, high = margin_gap(*(((r["item_low"] + r["item_high"]) / 2, r["item_low"], r["item_high"])
+                                          for r in (a, b)))
             cell.append(f"{pp(gap)} [{pp(low)}, {pp(high)}]")
         else:
             cell.append("–")

@@ -142,6 +142,7 @@ def test_compare_two_cells_end_to_end_and_resume(tmp_path):
     spear0 = json.loads((out / "cells" / "arc_challenge-spear-s0" / "metrics.jsonl").read_text().splitlines()[0])
     assert {k: v for k, v in round0["eval"].items() if k not in ("reused_from",)} == spear0["eval"]
     assert spear0["start_identity"] is True and round0["start_identity"] is True  # either may lend round 0 later
+    assert spear0["device"] == round0["device"] == "cpu" and spear0["dtype"] == round0["dtype"]
     grpo_round = json.loads((grpo_cell / "metrics.jsonl").read_text().splitlines()[1])
     assert grpo_round["generations"] == 2 * 4 and grpo_round["weight"] == 2  # G = 4 per prompt, weight = prompts
     assert grpo_round["initial_samples"] == 8 and 0 <= grpo_round["initial_accuracy"] <= 1

@@ -213,7 +213,7 @@ def test_round0_is_reused_only_from_a_run_whose_start_is_known_to_be_the_identit
     """``round0_from`` borrows the base model's evaluation when the source's settings agree and its start adapter was
     the identity: shown by its round-0 adapter on disk, or — for a copied result without adapters, such as a committed
     grid cell — by the ``start_identity`` its round 0 recorded. Without either, or with a trained (non-zero B) start,
-    or with other evaluation settings, the run evaluates round 0 itself."""
+    other evaluation settings, another precision or another device, the run evaluates round 0 itself."""
     from fedspear.fl.server_app import reused_round0
     from fedspear.rundir import RunDir
 
@@ -224,19 +224,24 @@ def test_round0_is_reused_only_from_a_run_whose_start_is_known_to_be_the_identit
     def source(name, record_extra, adapter=None):
         run = RunDir(tmp_path / name)
         run.check_or_write_config(RunConfig().resolved())
-        run.append({"round": 0, "eval": evaluation, **record_extra})
+        run.append({"round": 0, "eval": evaluation, "dtype": "fp32", **record_extra})
         if adapter is not None:
             run.save_adapter(0, adapter, None)
         return run
 
-    def borrow(run, **changes):
-        return reused_round0(RunConfig(round0_from=str(run.path), **changes).resolved(), identity)
+    def borrow(run, dtype_used="fp32", device="cpu", **changes):
+        return reused_round0(RunConfig(round0_from=str(run.path), **changes).resolved(), identity, dtype_used, device)
 
     copied = source("copied", {"start_identity": True})  # metrics.jsonl + config.toml, no adapters
-    assert copied.serves_round0()
+    assert copied.serves_round0() and copied.serves_round0("fp32", "cpu")
+    assert not copied.serves_round0("bf16", "cpu") and not copied.serves_round0("fp32", "cuda")
     assert borrow(copied) == {**evaluation, "reused_from": str(copied.path)}
     assert borrow(copied, eval_size=evaluation["n"] + 1) is None  # another evaluation subset
-    assert reused_round0(RunConfig(round0_from=str(copied.path)).resolved(), trained) is None  # own start trained
+    assert borrow(copied, dtype_used="bf16") is None  # `auto` resolved otherwise on this machine
+    assert borrow(copied, device="cuda") is None  # a record without `device` is a CPU run
+    assert reused_round0(RunConfig(round0_from=str(copied.path)).resolved(), trained, "fp32", "cpu") is None
+    on_gpu = source("on-gpu", {"start_identity": True, "device": "cuda"})
+    assert borrow(on_gpu) is None and borrow(on_gpu, device="cuda")["reused_from"] == str(on_gpu.path)
 
     legacy = source("legacy", {})  # written before runs recorded their start: unprovable without the adapter
     assert not legacy.serves_round0() and borrow(legacy) is None

@@ -563,7 +563,7 @@ def bench(
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     try:
         if scaling:
-            result = run_scaling(model=model, dtype=dtype, quick=quick,
+            result = run_scaling(model=model, dtype=dtype, quick=quick, device=device,
                                  progress=lambda text: print(f"measuring {text}", file=sys.stderr, flush=True))
         else:
             result = run_bench(model=model, dtype=dtype, quick=quick, round_=with_round, device=device,

@@ -187,17 +187,23 @@ class RunDir:
     def adapter_dir(self, server_round: int) -> Path:
         return self.path / "adapters" / f"round_{server_round:04d}"
 
-    def serves_round0(self) -> bool:
+    def serves_round0(self, dtype_used: str | None = None, device: str | None = None) -> bool:
         """Whether this finished run can lend its round-0 evaluation (``round0_from``): it has its ``config.toml``
         and its start adapter is known to be the identity — on disk (``adapters/round_0000``) or, for a copied result
-        without adapters such as a committed grid cell, recorded as ``start_identity`` in its round-0 record. The
-        borrowing run re-checks both (``fedspear.fl.server_app.reused_round0``)."""
+        without adapters such as a committed grid cell, recorded as ``start_identity`` in its round-0 record — and,
+        when given, its round 0 ran in precision ``dtype_used`` on ``device`` (a record without ``device`` is a CPU
+        run). The borrowing run re-checks all of it (``fedspear.fl.server_app.reused_round0``)."""
         if not self.config_path.is_file():
             return False
-        if self.adapter_dir(0).exists():
-            return True
         records = self.records()
-        return bool(records) and records[0].get("round") == 0 and records[0].get("start_identity") is True
+        if not records or records[0].get("round") != 0:
+            return False
+        first = records[0]
+        if dtype_used is not None and first.get("dtype") != dtype_used:
+            return False
+        if device is not None and first.get("device", "cpu") != device:
+            return False
+        return self.adapter_dir(0).exists() or first.get("start_identity") is True
 
     def saved_rounds(self) -> list[int]:
         """Rounds whose adapter folder is complete (``adapters/round_NNNN/adapter_model.safetensors``), ascending;

@@ -43,14 +43,16 @@ from ..model import autocast, model_device
 
 
 def _amd_core(family: int, model: int) -> str | None:
-    """AMD's core generation from ``/proc/cpuinfo``'s family and model (AMD's processor programming references);
-    None when not one of these."""
-    if family == 26:
-        return "zen5"
-    if family == 25:
-        return "zen4" if 0x10 <= model <= 0x1F or 0x60 <= model <= 0x7F or 0xA0 <= model <= 0xAF else "zen3"
-    if family == 23:
-        return "zen2" if model >= 0x30 else "zen1"
+    """AMD's core generation from ``/proc/cpuinfo``'s family and model, by the Linux kernel's table
+    (``arch/x86/kernel/cpu/amd.c``, ``bsp_init_amd``); None for a model outside it."""
+    ranges = {
+        0x17: {"zen1": ((0x00, 0x2F), (0x50, 0x5F)), "zen2": ((0x30, 0x4F), (0x60, 0x7F), (0x90, 0x91), (0xA0, 0xAF))},
+        0x19: {"zen3": ((0x00, 0x0F), (0x20, 0x5F)), "zen4": ((0x10, 0x1F), (0x60, 0xAF))},
+        0x1A: {"zen5": ((0x00, 0x2F), (0x40, 0x4F), (0x60, 0x7F))},
+    }
+    for core, spans in ranges.get(family, {}).items():
+        if any(low <= model <= high for low, high in spans):
+            return core
     return None
 
 
@@ -389,7 +391,7 @@ QUICK_SCALING_AXES = {"rollouts_per_round": [1, 2], "max_revisions": [0, 1], "ma
 
 
 def scaling(model: str = "smollm2-135m", dtype: str = "auto", quick: bool = False,
-            output_dir: str | None = None, progress=None) -> dict[str, Any]:
+            output_dir: str | None = None, progress=None, device: str = "auto") -> dict[str, Any]:
     """How a round's cost grows with rollouts, revisions, new tokens and clients (docs/performance.md).
 
     Rollouts, revisions and new tokens change one client-round: each size runs the SPEAR client round
@@ -410,11 +412,12 @@ def scaling(model: str = "smollm2-135m", dtype: str = "auto", quick: bool = Fals
     from ..worker import Worker
 
     axes = QUICK_SCALING_AXES if quick else SCALING_AXES
-    ref = dict(task="arc_challenge", model=model, dtype=dtype, num_clients=10 if not quick else 2,
+    where = resolve_device(device)
+    ref = dict(task="arc_challenge", model=model, dtype=dtype, device=where, num_clients=10 if not quick else 2,
                clients_per_round=3 if not quick else 1, rollouts_per_round=16 if not quick else 2, max_revisions=2,
                max_new_tokens=16 if not quick else 4, local_steps=2, batch_size=4)
     out: dict[str, Any] = {"date": _dt.datetime.now().isoformat(timespec="seconds"),
-                           "machine": machine(gpu=resolve_device("auto") == "cuda"), "reference": ref, "axes": {}}
+                           "machine": machine(gpu=where == "cuda"), "reference": ref, "axes": {}}
     worker = Worker.load(RunConfig(**ref, rounds=1))
     cfg = worker.loaded  # resolved: the task's defaults filled in
     out["dtype"] = worker.dtype_used
@@ -564,17 +567,18 @@ def targets(result: dict[str, Any]) -> list[dict[str, Any]]:
         ref = AUTHORS_REFERENCE["seconds_per_client_round"]
         ratio = r["seconds_per_client_round"] / ref
         same = kind == AUTHORS_REFERENCE["machine_kind"]
-        note = "" if ratio <= ROUND_TARGET else f"missed: needs ≤ {ROUND_TARGET * ref:.1f} s, " \
-                                                f"{r['seconds_per_client_round'] - ROUND_TARGET * ref:.1f} s more"
+        note = "" if ratio <= ROUND_TARGET else f"missed: needs ≤ {ROUND_TARGET * ref:.2f} s, " \
+                                                f"{r['seconds_per_client_round'] - ROUND_TARGET * ref:.2f} s more"
         if not same:
             note = (note + "; " if note else "") + (f"the reference was measured on {AUTHORS_REFERENCE['machine']}, "
                                                     f"this is {kind}: a ratio across machines")
         rows.append({
             "target": f"SPEAR client-round ≤ {ROUND_TARGET} × the authors' {ref} s",
-            "measured": f"{r['seconds_per_client_round']:.1f} s = {ratio:.2f} ×",
+            "measured": f"{r['seconds_per_client_round']:.2f} s = {ratio:.3f} ×",
             "met": ratio <= ROUND_TARGET, "note": note,
         })
-        for who, limit in MEMORY_TARGETS_MIB.get(result.get("model", ""), {}).items():
+        memory = {} if result.get("device") == "cuda" else MEMORY_TARGETS_MIB.get(result.get("model", ""), {})
+        for who, limit in memory.items():  # host RSS: the CPU clients' targets (a GPU run's memory is the GPU's)
             peak = r.get("peak_rss_mb", {}).get(who)
             if peak is None:
                 continue

@@ -23,6 +23,7 @@ from flwr.serverapp import Grid, ServerApp
 from fedspear import counters, progress
 from fedspear.arrays import layout_mismatch
 from fedspear.memory import peak_rss_mb, release_memory
+from fedspear.model import model_device
 from fedspear.tasks import load_train_examples
 from fedspear.config import RunConfig, load_config, snake_key
 from fedspear.evaluation import Evaluator
@@ -52,10 +53,13 @@ def _is_identity(arrays: dict[str, np.ndarray]) -> bool:
     return bool(b) and all(not np.any(v) for v in b)
 
 
-def reused_round0(cfg: RunConfig, arrays: dict[str, np.ndarray]) -> dict | None:
+def reused_round0(cfg: RunConfig, arrays: dict[str, np.ndarray], dtype_used: str, device: str) -> dict | None:
     """The round-0 evaluation of ``cfg.round0_from`` when it is provably the same measurement, else None.
 
-    Same when the other run's resolved settings (its ``config.toml``) agree on ``ROUND0_KEYS`` and both start
+    Same when the other run's resolved settings (its ``config.toml``) agree on ``ROUND0_KEYS``, its round 0 ran in
+    the same precision on the same kind of device (the record's ``dtype`` and ``device`` against this run's resolved
+    ``dtype_used`` and ``device``: ``dtype = "auto"`` resolves differently on other machines; a record without
+    ``device`` predates the field and is taken as a CPU run, as every run of this project then was), and both start
     adapters are the identity: then both evaluate the same base model greedily on the same items. The other run's
     start is known from its round-0 adapter on disk or, for a copied result without adapters (committed grid cells),
     from its round-0 record's ``start_identity``, which the run wrote after checking that adapter. The reused record
@@ -66,6 +70,8 @@ def reused_round0(cfg: RunConfig, arrays: dict[str, np.ndarray]) -> dict | None:
     other = RunDir(cfg.round0_from)
     records = other.records() if other.metrics_path.exists() else []
     if not records or records[0].get("round") != 0 or not other.config_path.exists():
+        return None
+    if records[0].get("dtype") != dtype_used or records[0].get("device", "cpu") != device:
         return None
     try:
         other_cfg = load_config(other.config_path).resolved()
@@ -313,12 +319,14 @@ def run_server(grid: Grid, cfg: RunConfig, on_round: Callable[[dict], None] | No
             last, arrays = 0, evaluator.initial_adapter()
             t0 = time.perf_counter()
             progress.start("server", 0)
-            metrics = reused_round0(cfg, arrays) or evaluator(arrays)
+            device = model_device(evaluator.model).type
+            metrics = reused_round0(cfg, arrays, evaluator.dtype_used, device) or evaluator(arrays)
             progress.finish()
             wall = time.perf_counter() - t0
             run.save_adapter(0, arrays, evaluator.peft_config())
             record = {"round": 0, "eval": metrics, "seconds": {"evaluate": metrics["seconds_evaluate"]},
                       "start_identity": _is_identity(arrays), "wall_clock": wall, "dtype": evaluator.dtype_used,
+                      "device": device,
                       "skipped_eval_records": len(evaluator.skipped),
                       "peak_rss_mb": {"server": peak_rss_mb()}, "rss_after_round_mb": {"server": release_memory()}}
             run.append(record)

@@ -37,6 +37,7 @@ from ...config import ConfigError, RunConfig, load_config, parse_assignments, re
 from ...paper_settings import PRESETS as RUN_PRESETS
 from ...paper_settings import preset_settings
 from ...rundir import LEGACY_DEFAULTS, RunDir
+from ...model import resolve_device, resolve_dtype
 
 PARTITIONER_DEFAULT = RunConfig.__dataclass_fields__["partitioner"].default
 
@@ -352,7 +353,9 @@ def run_grid(grid: Grid, output: Path, on_event: Callable[[str, Cell, float], No
     first_of_task: dict[str, Path] = {}
     for cell in cells:
         if cell.done():
-            if RunDir(cell.path).serves_round0():  # a copied result without config.toml and start record is not
+            # a copied result without config.toml and start record cannot; nor one from another precision / device
+            if RunDir(cell.path).serves_round0(resolve_dtype(cell.config.dtype, cell.config.device),
+                                               resolve_device(cell.config.device)):
                 first_of_task.setdefault(cell.task, cell.path)
             if on_event:
                 on_event("skip", cell, 0.0)

@@ -1,0 +1,152 @@
+"""Decode-speed candidates for issue 19 ("generation near its bound"), measured side by side on one machine.
+
+The 135M model's decode is dispatch-bound (thousands of small ops per step); the issue asks to measure the
+candidates and keep what wins. Each candidate decodes exactly ``--new`` tokens greedily for a batch of random
+``--prompt``-token contexts with the LoRA adapter of a SPEAR client attached (r 16, all seven projections), as
+``fedspear bench`` does; decode tokens/s excludes the prefill (a 1-token run is subtracted) and is set against the
+bandwidth bound (batch × copy bandwidth ÷ bytes of the weights a step reads):
+
+- ``eager``: transformers' ``generate`` with the dynamic KV cache, as fedspear runs today;
+- ``static``: the same with a static (pre-allocated) KV cache, not compiled;
+- ``compiled``: static cache + ``torch.compile`` of the decode step (transformers' ``CompileConfig``, inductor,
+  ``mode="default"``, static shapes), compiled at the first call of each batch shape and reused after; the first
+  call's seconds are reported as compile time.
+
+Then ``--check N``: greedy answers to the first N ARC-Challenge test prompts, each candidate against ``eager``
+(tokens equal?), with a random non-zero adapter so LoRA is exercised.
+
+    .venv/bin/python scripts/decode_candidates.py --model smollm2-135m --dtype fp32
+    .venv/bin/python scripts/decode_candidates.py --model smollm2-135m --dtype bf16 --output /tmp/dc.json
+
+Run on an otherwise idle machine.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "src"))
+
+import torch  # noqa: E402
+
+CANDIDATES = ("eager", "static", "compiled")
+
+
+def generate_kwargs(candidate: str) -> dict:
+    """Extra ``generate`` arguments of a candidate."""
+    if candidate == "eager":
+        return {}
+    if candidate == "static":
+        return {"cache_implementation": "static", "disable_compile": True}
+    if candidate == "compiled":
+        from transformers.generation.configuration_utils import CompileConfig
+
+        config = CompileConfig(fullgraph=False, dynamic=False, backend="inductor", mode="default")
+        config._compile_all_devices = True  # transformers compiles on GPUs only unless told
+        return {"cache_implementation": "static", "compile_config": config}
+    raise ValueError(candidate)
+
+
+@torch.no_grad()
+def decode_rate(model, tokenizer, dtype_used: str, candidate: str, batch: int, prompt: int, new: int,
+                repeats: int = 2) -> dict:
+    """Seconds of the first call (compile included) and decode tokens/s over ``repeats`` later calls."""
+    from fedspear.model import autocast
+
+    ids = torch.randint(100, 1000, (batch, prompt))
+    extra = generate_kwargs(candidate)
+
+    def gen(n: int) -> float:
+        t0 = time.perf_counter()
+        with autocast(dtype_used):
+            model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, min_new_tokens=n,
+                           do_sample=False, pad_token_id=tokenizer.pad_token_id, use_cache=True, **extra)
+        return time.perf_counter() - t0
+
+    first = gen(new)
+    rates = []
+    for _ in range(repeats):
+        prefill = gen(1)
+        total = gen(new)
+        rates.append(batch * (new - 1) / max(1e-9, total - prefill))
+    return {"first_call_s": first, "tokens_per_s": max(rates), "runs": rates}
+
+
+@torch.no_grad()
+def greedy_answers(model, tokenizer, dtype_used: str, candidate: str, contexts: list[list[int]], new: int) -> list:
+    from fedspear.model import autocast
+
+    width = max(map(len, contexts))
+    ids = torch.full((len(contexts), width), tokenizer.pad_token_id)
+    mask = torch.zeros_like(ids)
+    for i, c in enumerate(contexts):
+        ids[i, width - len(c):] = torch.tensor(c)
+        mask[i, width - len(c):] = 1
+    with autocast(dtype_used):
+        out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=new, do_sample=False,
+                             pad_token_id=tokenizer.pad_token_id, use_cache=True, **generate_kwargs(candidate))
+    return out[:, width:].tolist()
+
+
+def main(argv: list[str] | None = None) -> dict:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default="smollm2-135m")
+    parser.add_argument("--dtype", default="auto")
+    parser.add_argument("--candidates", nargs="+", default=list(CANDIDATES), choices=CANDIDATES)
+    parser.add_argument("--batches", nargs="+", type=int, default=[8, 32])
+    parser.add_argument("--prompt", type=int, default=200)
+    parser.add_argument("--new", type=int, default=32)
+    parser.add_argument("--check", type=int, default=16, help="ARC prompts whose greedy answers are compared")
+    parser.add_argument("--output", type=Path)
+    args = parser.parse_args(argv)
+
+    from fedspear.experiments.bench import machine, memory_bandwidth
+    from fedspear.interaction import render
+    from fedspear.model import LoraSettings, add_lora, load_base
+    from fedspear.tasks import arc_challenge
+
+    base, tokenizer, dtype_used = load_base(args.model, args.dtype, "cpu")
+    model = add_lora(base, LoraSettings())
+    model.eval()
+    with torch.no_grad():  # a non-zero adapter, so the LoRA path changes the answers
+        gen = torch.Generator().manual_seed(0)
+        for name, p in model.named_parameters():
+            if "lora_B" in name:
+                p.copy_(torch.randn(p.shape, generator=gen) * 0.02)
+    lookup = model.get_input_embeddings().weight
+    lookup = None if lookup is model.get_output_embeddings().weight else lookup
+    weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters() if p is not lookup)
+    bandwidth = memory_bandwidth(256, 1.5)
+    out = {"machine": machine(), "model": args.model, "dtype": dtype_used, "bandwidth_bytes_per_s": bandwidth,
+           "weight_bytes": weight_bytes, "prompt": args.prompt, "new": args.new, "rates": {}, "check": {}}
+    print(f"{out['machine']['kind']} · {args.model} · {dtype_used} · bandwidth {bandwidth / 1e9:.1f} GB/s", flush=True)
+    for candidate in args.candidates:
+        for batch in args.batches:
+            r = decode_rate(model, tokenizer, dtype_used, candidate, batch, args.prompt, args.new)
+            r["utilisation"] = r["tokens_per_s"] / (batch * bandwidth / weight_bytes)
+            out["rates"][f"{candidate}/batch_{batch}"] = r
+            print(f"{candidate:9s} batch {batch:3d}: {r['tokens_per_s']:7.0f} tokens/s = {r['utilisation']:.0%} of "
+                  f"the bound; first call {r['first_call_s']:.1f} s", flush=True)
+    if args.check:
+        items = arc_challenge.load("test")[: args.check]
+        contexts = [render(tokenizer, [arc_challenge.prompt(e)]) for e in items]
+        reference = greedy_answers(model, tokenizer, dtype_used, "eager", contexts, 16)
+        for candidate in args.candidates:
+            if candidate == "eager":
+                continue
+            got = greedy_answers(model, tokenizer, dtype_used, candidate, contexts, 16)
+            same = sum(a == b for a, b in zip(got, reference))
+            out["check"][candidate] = {"same": same, "of": len(contexts)}
+            print(f"greedy answers, {candidate} vs eager: {same} of {len(contexts)} identical", flush=True)
+    if args.output:
+        args.output.write_text(json.dumps(out, indent=2) + "\n")
+    return out
+
+
+if __name__ == "__main__":
+    main()

@@ -68,24 +68,18 @@ def reused_round0(cfg: RunConfig, arrays: dict[str, np.ndarray], dtype_used: str
     if not cfg.round0_from or not _is_identity(arrays):
         return None
     other = RunDir(cfg.round0_from)
-    records = other.records() if other.metrics_path.exists() else []
-    if not records or records[0].get("round") != 0 or not other.config_path.exists():
-        return None
-    if records[0].get("dtype") != dtype_used or records[0].get("device", "cpu") != device:
+    if not other.serves_round0(dtype_used, device):  # config.toml, precision, device, a known identity start
         return None
     try:
         other_cfg = load_config(other.config_path).resolved()
-        if other.adapter_dir(0).exists():
-            if not _is_identity(other.load_adapter(0)):
-                return None
-        elif records[0].get("start_identity") is not True:
+        if other.adapter_dir(0).exists() and not _is_identity(other.load_adapter(0)):  # the adapter on disk decides
             return None
     except Exception:  # noqa: BLE001 - an unreadable source just means: evaluate here
         return None
     if any(getattr(other_cfg, k) != getattr(cfg, k) for k in ROUND0_KEYS):
         return None
     log.info("round-0 evaluation reused from %s (same base model, items and settings)", cfg.round0_from)
-    return {**records[0]["eval"], "reused_from": str(cfg.round0_from)}
+    return {**other.records()[0]["eval"], "reused_from": str(cfg.round0_from)}
 
 
 # loss terms the algorithms log (SPEAR: win / lose; GRPO: surrogate, KL; RLTF-SD: SD, RL0, RL1; all: loss)

@@ -354,8 +354,9 @@ def run_grid(grid: Grid, output: Path, on_event: Callable[[str, Cell, float], No
     for cell in cells:
         if cell.done():
             # a copied result without config.toml and start record cannot; nor one from another precision / device
-            if RunDir(cell.path).serves_round0(resolve_dtype(cell.config.dtype, cell.config.device),
-                                               resolve_device(cell.config.device)):
+            done_cfg = cell.config
+            if RunDir(cell.path).serves_round0(resolve_dtype(done_cfg.dtype, done_cfg.device),
+                                               resolve_device(done_cfg.device)):
                 first_of_task.setdefault(cell.task, cell.path)
             if on_event:
                 on_event("skip", cell, 0.0)

@@ -95,3 +95,18 @@ def test_targets_judged_by_hand():
     assert "Machine kind: **zen4-avx2** — c, 2 threads, torch t." in text
     assert "| decode batch 32 ≥ 30% of the bandwidth bound | 10% (400 of 4000 tokens/s) | **no** | missed by 20% " \
            "of the bound (needs 1200 tokens/s) |" in text and "client-round" not in text
+
+
+@pytest.mark.parametrize("status, commit", [("", "abc1234"), (" M src/fedspear/generation.py\n", "abc1234+changes")])
+def test_machine_marks_a_commit_whose_package_files_were_changed(monkeypatch, status, commit):
+    """Figures measured from a checkout with uncommitted changes to the package do not claim the bare commit."""
+    import subprocess
+
+    from fedspear.experiments import bench
+
+    def fake_run(args, **kwargs):
+        out = "abc1234\n" if "rev-parse" in args else status
+        return subprocess.CompletedProcess(args, 0, stdout=out, stderr="")
+
+    monkeypatch.setattr(subprocess, "run", fake_run)
+    assert bench.machine()["fedspear_commit"] == commit

@@ -42,3 +42,80 @@ def test_generation_with_the_shared_prefix_cached_matches_plain_generation(tiny,
     torch.manual_seed(5)
     sampled = generate(model, tok, contexts, max_new_tokens=6, do_sample=True)
     assert len(sampled) == len(contexts) and all(0 < len(s) <= 6 for s in sampled)
+
+
+def test_merged_adapter_computes_the_unmerged_model_and_puts_the_very_base_weights_back(tiny, arc_items):
+    """Inside ``merged_adapter`` the LoRA branches are gone (merged) and the logits are the unmerged model's up to
+    fp32 rounding; after it the base weights are the same tensors, bitwise unchanged, and the adapter applies again."""
+    import copy
+
+    from fedspear.model import merged_adapter
+
+    model, tok = tiny
+    model = with_random_adapter(copy.deepcopy(model), 0.5).eval()
+    layers = [m for m in model.modules() if hasattr(m, "lora_A") and hasattr(m, "get_base_layer")]
+    before = [(m.get_base_layer().weight, m.get_base_layer().weight.data.clone()) for m in layers]
+    ids = torch.tensor([render(tok, [arc_challenge.prompt(arc_items[0])])])
+    with torch.no_grad():
+        unmerged = model(input_ids=ids).logits
+        with model.disable_adapter():
+            base_only = model(input_ids=ids).logits
+        with merged_adapter(model):
+            assert all(m.merged for m in layers)
+            merged = model(input_ids=ids).logits
+        after = model(input_ids=ids).logits
+    assert not (unmerged - base_only).abs().max() < 1e-3  # the adapter matters, so the comparison below can fail
+    torch.testing.assert_close(merged, unmerged, atol=1e-4, rtol=1e-4)  # fp32 rounding of the merged sums
+    assert not any(m.merged for m in layers)
+    for m, (weight, copy_before) in zip(layers, before):
+        assert m.get_base_layer().weight is weight  # the same parameter, its values bitwise those before
+        assert torch.equal(weight.data, copy_before)  # (put back, not merged and unmerged again)
+    assert torch.equal(after, unmerged)
+
+
+def test_merged_adapter_leaves_training_mode_and_disabled_calls_alone_and_restores_after_an_error(tiny):
+    import copy
+
+    import pytest
+
+    from fedspear.model import merged_adapter
+
+    model, _ = tiny
+    model = with_random_adapter(copy.deepcopy(model), 0.5)
+    layers = [m for m in model.modules() if hasattr(m, "lora_A") and hasattr(m, "get_base_layer")]
+    weights = [(m.get_base_layer().weight.data_ptr(), m.get_base_layer().weight.data.clone()) for m in layers]
+    model.train()
+    with merged_adapter(model):
+        assert not any(m.merged for m in layers)  # training needs the LoRA branch: never merged
+    model.eval()
+    with merged_adapter(model, enabled=False):
+        assert not any(m.merged for m in layers)
+    with pytest.raises(RuntimeError, match="boom"), merged_adapter(model):
+        assert all(m.merged for m in layers)
+        raise RuntimeError("boom")
+    assert not any(m.merged for m in layers)
+    for m, (pointer, values) in zip(layers, weights):  # the same storage again, unchanged
+        assert m.get_base_layer().weight.data_ptr() == pointer and torch.equal(m.get_base_layer().weight.data, values)
+
+
+def test_fp32_generation_merges_the_adapter_and_gives_the_unmerged_greedy_answers(tiny, arc_items, monkeypatch):
+    """``generate`` merges the adapter for fp32 (``merge=None``), not for bf16; greedy answers are those of the
+    unmerged model on these prompts, and the base weights are unchanged after."""
+    import copy
+
+    from fedspear import generation
+
+    model, tok = tiny
+    model = with_random_adapter(copy.deepcopy(model), 0.5)
+    contexts = [render(tok, [arc_challenge.prompt(ex)]) for ex in arc_items]
+    weights = {n: p.detach().clone() for n, p in model.named_parameters() if "lora" not in n}
+    answers = {m: generation.generate(model, tok, contexts, max_new_tokens=8, do_sample=False, merge=m)
+               for m in (False, True)}
+    assert answers[True] == answers[False]
+    assert all(torch.equal(p, weights[n]) for n, p in model.named_parameters() if "lora" not in n)
+    seen = []
+    real = generation.merged_adapter
+    monkeypatch.setattr(generation, "merged_adapter", lambda m, enabled: seen.append(enabled) or real(m, enabled))
+    for dtype_used in ("fp32", "bf16"):
+        generation.generate(model, tok, contexts[:2], max_new_tokens=2, do_sample=False, dtype_used=dtype_used)
+    assert seen == [True, False]

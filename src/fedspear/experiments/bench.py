@@ -81,7 +81,8 @@ def machine_kind(info: dict[str, Any]) -> str:
 def machine(gpu: bool = False) -> dict[str, Any]:
     """What the figures were measured on: CPU model, vendor, family and model number and its flags
     (``/proc/cpuinfo``), the CUDA GPU when ``gpu`` (the figures are the GPU's), threads torch uses, torch, the
-    fedspear commit when run from a git checkout, and the ``kind`` (:func:`machine_kind`)."""
+    fedspear commit when run from a git checkout (``+changes`` appended when the package's files differ from it), and
+    the ``kind`` (:func:`machine_kind`)."""
     info: dict[str, Any] = {"cpu": platform.processor() or platform.machine(), "threads": torch.get_num_threads(),
                             "torch": torch.__version__}
     try:
@@ -112,7 +113,9 @@ def machine(gpu: bool = False) -> dict[str, Any]:
         commit = subprocess.run(["git", "-C", str(here), "rev-parse", "--short", "HEAD"], capture_output=True,
                                 text=True, timeout=10)
         if commit.returncode == 0:
-            info["fedspear_commit"] = commit.stdout.strip()
+            changed = subprocess.run(["git", "-C", str(here), "status", "--porcelain", "--untracked-files=no", "--",
+                                      str(here.parent)], capture_output=True, text=True, timeout=10)
+            info["fedspear_commit"] = commit.stdout.strip() + ("+changes" if changed.stdout.strip() else "")
     except (OSError, subprocess.SubprocessError):
         pass
     return info
@@ -206,13 +209,17 @@ def prefill_tokens_per_s(model, dtype_used: str, batch: int, length: int, second
 
 @torch.no_grad()
 def decode_tokens_per_s(model, tokenizer, dtype_used: str, batch: int, prompt: int, new: int) -> float:
-    """Greedy decoding of exactly ``new`` tokens per row after a ``prompt``-token prefill; prefill time excluded."""
+    """Greedy decoding of exactly ``new`` tokens per row after a ``prompt``-token prefill; prefill time excluded.
+    The adapter is merged into the weights when fedspear's generation would merge it (``merges_adapter``)."""
+    from ..generation import merges_adapter
+    from ..model import merged_adapter
+
     device = model_device(model)
     ids = torch.randint(100, 1000, (batch, prompt), device=device)
     model.eval()
 
     def gen(n):
-        with autocast(dtype_used, device.type):
+        with autocast(dtype_used, device.type), merged_adapter(model, enabled=merges_adapter(model, dtype_used)):
             model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, min_new_tokens=n,
                            do_sample=False, pad_token_id=tokenizer.pad_token_id, use_cache=True)
         _sync(device)

@@ -82,6 +82,8 @@ def test_targets_judged_by_hand():
     # on a GPU the resident memory is the host's, not what the targets are about: no memory rows
     assert not [t for t in targets({**_result(), "device": "cuda"}) if "RSS" in t["target"]]
     assert result_stem(_result()) == "zen4-avx2-smollm2-135m-fp32"
+    forced_on = {**_result(), "gradient_checkpointing_setting": "on"}
+    assert result_stem(forced_on) == "zen4-avx2-smollm2-135m-fp32-checkpointing"
     assert result_stem({"machine": {"kind": "zen4-avx2"}, "reference": {"model": "/m/Qwen", "dtype": "auto"},
                         "dtype": "bf16"}, scaling=True) == "zen4-avx2-Qwen-bf16-scaling"
     bench_only = {k: v for k, v in _result().items() if k != "round"}  # `fedspear bench --no-round`: decode only

@@ -4,6 +4,7 @@ attention (fedspear.cpu_kernels)."""
 from __future__ import annotations
 
 import math
+from pathlib import Path
 
 import pytest
 import torch
@@ -136,3 +137,26 @@ def test_models_decode_with_the_fp32_decode_attention_as_with_sdpa(tiny, arc_ite
                      torch.stack(first)))
     assert runs[0][0] == runs[1][0]
     torch.testing.assert_close(runs[0][1], runs[1][1], atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.skipif(not Path("/proc/self/maps").exists(), reason="needs Linux's /proc/self/maps")
+def test_bf16_loading_releases_the_mapped_checkpoint_file():
+    """transformers maps the checkpoint file and hands out views of it; once the linears are bf16 copies and the
+    fp32 rest is copied out, nothing refers to the mapping, so the file (and the pages the conversion read, counted
+    in the process's resident memory) is no longer mapped. In fp32 the weights are the mapping itself."""
+    import gc
+
+    from fedspear.model import load_base
+    from fedspear.model_zoo import resolve_model_dir
+
+    def mapped() -> bool:
+        target = str(Path(resolve_model_dir("smollm2-135m")).resolve())
+        return any(target in line for line in Path("/proc/self/maps").read_text().splitlines())
+
+    base, _, dtype_used = load_base("smollm2-135m", "bf16", "cpu")
+    gc.collect()
+    assert dtype_used == "bf16" and not mapped()
+    del base
+    base, _, _ = load_base("smollm2-135m", "fp32", "cpu")
+    gc.collect()
+    assert mapped()  # the check can see a mapping: fp32 weights are views of the file

@@ -252,19 +252,21 @@ def train_tokens_per_s(model, dtype_used: str, batch: int, length: int, seconds:
 
 def run_bench(model: str = "smollm2-135m", dtype: str = "auto", quick: bool = False, round_: bool = True,
               output_dir: str | None = None, progress: Callable[[str], None] | None = None,
-              device: str = "auto") -> dict[str, Any]:
+              device: str = "auto", gradient_checkpointing: str = "auto") -> dict[str, Any]:
     """Measure everything (see the module docstring) → a JSON-able dict.
 
     ``quick`` shrinks every size (for tests); ``round_=False`` skips the SPEAR round. ``progress(text)`` is called
     before each measurement and after each SPEAR round. ``device`` (auto | cpu | cuda): where the bounds, the
-    throughputs and the rounds are measured (``auto``: a CUDA GPU when torch sees one).
+    throughputs and the rounds are measured (``auto``: a CUDA GPU when torch sees one). ``gradient_checkpointing``
+    (auto | on | off, as in ``RunConfig``) applies to the training throughput and the rounds: it trades training
+    time for the memory of the activations.
 
     Raises:
         ModelError: the model cannot be loaded, or ``device = cuda`` without a GPU.
     """
     say = progress or (lambda text: None)
     from ..evaluation import evaluate
-    from ..model import LoraSettings, add_lora, load_base, resolve_device
+    from ..model import LoraSettings, add_lora, load_base, resolve_device, use_gradient_checkpointing
     from ..tasks import arc_challenge
 
     s = 0.2 if quick else 1.5  # seconds per micro-benchmark
@@ -286,6 +288,8 @@ def run_bench(model: str = "smollm2-135m", dtype: str = "auto", quick: bool = Fa
     }
     out["bounds"] = bounds
     base, tokenizer, dtype_used = load_base(model, dtype, where)
+    out["gradient_checkpointing_setting"] = gradient_checkpointing
+    out["gradient_checkpointing"] = use_gradient_checkpointing(base, gradient_checkpointing)
     peft = add_lora(base, LoraSettings())
     out["dtype"] = dtype_used
     counts = flop_counts(peft)
@@ -324,12 +328,14 @@ def run_bench(model: str = "smollm2-135m", dtype: str = "auto", quick: bool = Fa
     }
     del peft, base
     if round_:
-        out["round"] = spear_round(model, dtype, quick, output_dir, progress=say, device=where)
+        out["round"] = spear_round(model, dtype, quick, output_dir, progress=say, device=where,
+                                   gradient_checkpointing=gradient_checkpointing)
     return out
 
 
 def spear_round(model: str, dtype: str, quick: bool, output_dir: str | None, rounds: int = 3,
-                progress: Callable[[str], None] | None = None, device: str = "cpu") -> dict[str, Any]:
+                progress: Callable[[str], None] | None = None, device: str = "cpu",
+                gradient_checkpointing: str = "auto") -> dict[str, Any]:
     """SPEAR rounds on the reference configuration through the simulation engine; seconds per phase.
 
     Runs ``rounds`` rounds (evaluation only at round 0 and after the last, and subtracted) and reports the round with
@@ -348,6 +354,7 @@ def spear_round(model: str, dtype: str, quick: bool, output_dir: str | None, rou
         clients_per_round=3 if not quick else 1, rollouts_per_round=16 if not quick else 2, max_revisions=2,
         max_new_tokens=16 if not quick else 4, local_steps=2, batch_size=4, eval_size=100 if not quick else 4,
         eval_every=rounds, eval_generation=True, output_dir=str(Path(out_dir) / "run"),
+        gradient_checkpointing=gradient_checkpointing,
     )
     t0 = time.perf_counter()
     if progress:
@@ -525,10 +532,13 @@ def plot_scaling(result: dict[str, Any], path: Path) -> Path:
 
 def result_stem(result: dict[str, Any], scaling: bool = False) -> str:
     """File stem for a result under ``docs/results/bench/``: ``<machine kind>-<model>-<dtype>[-scaling]``, e.g.
-    ``zen5-avx512bf16-smollm2-135m-bf16`` (the model's last path component when it is a folder or hub id)."""
+    ``zen5-avx512bf16-smollm2-135m-bf16`` (the model's last path component when it is a folder or hub id), with
+    ``-checkpointing`` when gradient checkpointing was forced on."""
     model = str(result.get("model") or result.get("reference", {}).get("model", "model")).rstrip("/").split("/")[-1]
     dtype = result.get("dtype") or result.get("reference", {}).get("dtype", "auto")
-    return f"{result['machine'].get('kind', 'unknown')}-{model}-{dtype}" + ("-scaling" if scaling else "")
+    checkpointing = "-checkpointing" if result.get("gradient_checkpointing_setting") == "on" else ""
+    kind = result["machine"].get("kind", "unknown")
+    return f"{kind}-{model}-{dtype}{checkpointing}" + ("-scaling" if scaling else "")
 
 
 # The performance issue's reference (issue 19): the SPEAR authors' code on the reference configuration, fp32, their
@@ -603,7 +613,8 @@ def render(result: dict[str, Any]) -> str:
     b, t = result["bounds"], result["throughput"]
     g = 1e9
     lines = [
-        f"# fedspear bench — {result['model']} ({result['dtype']}), {result['date']}",
+        f"# fedspear bench — {result['model']} ({result['dtype']}"
+        f"{', gradient checkpointing' if result.get('gradient_checkpointing') else ''}), {result['date']}",
         "",
         f"Machine kind: **{result['machine'].get('kind', '?')}** — {result['machine']['cpu']}"
         + (f", GPU {result['machine']['gpu']}" if result['machine'].get('gpu') else "")

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
+import numpy as np
 import pytest
 
 
@@ -112,3 +115,17 @@ def test_machine_marks_a_commit_whose_package_files_were_changed(monkeypatch, st
 
     monkeypatch.setattr(subprocess, "run", fake_run)
     assert bench.machine()["fedspear_commit"] == commit
+
+
+@pytest.mark.skipif(not Path("/proc/self/clear_refs").exists(), reason="needs Linux's /proc/self/clear_refs")
+def test_reset_peak_makes_a_later_peak_its_own():
+    """After a large allocation is freed, ``reset_peak`` brings the reported peak down to the present size, so the
+    rounds' server (in the bench's own process) is not charged with the throughput measurements' peak."""
+    from fedspear.memory import peak_rss_mb, release_memory, reset_peak
+
+    block = np.ones(400 * 2**20 // 8)  # 400 MiB, touched
+    high = peak_rss_mb()
+    del block
+    now = release_memory()
+    assert reset_peak()
+    assert peak_rss_mb() < high - 300 and peak_rss_mb() <= now + 50

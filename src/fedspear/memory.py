@@ -11,6 +11,20 @@ def peak_rss_mb() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
+def reset_peak() -> bool:
+    """Start this process's peak resident memory (``peak_rss_mb``) afresh from its present size, so a later phase's
+    peak is its own: Linux's ``/proc/self/clear_refs`` with ``5`` resets the high-water mark (``VmHWM``, which
+    ``ru_maxrss`` reports). ``fedspear bench`` calls it before its rounds, whose server runs in the process that
+    measured the throughputs. Returns False where the kernel offers no reset (the peak then stays the lifetime's).
+    """
+    try:
+        with open("/proc/self/clear_refs", "w", encoding="ascii") as refs:
+            refs.write("5")
+        return True
+    except OSError:
+        return False
+
+
 def release_memory() -> float:
     """Give the memory a finished phase freed back to the OS; return this process's resident memory after (MiB).
 

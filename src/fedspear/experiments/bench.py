@@ -39,6 +39,7 @@ import numpy as np
 import torch
 
 from ..config import RunConfig
+from ..memory import release_memory, reset_peak
 from ..model import autocast, model_device
 
 
@@ -328,6 +329,9 @@ def run_bench(model: str = "smollm2-135m", dtype: str = "auto", quick: bool = Fa
     }
     del peft, base
     if round_:
+        # the rounds' server runs in this process: its peak should be the server's, not the throughputs' above
+        release_memory()
+        reset_peak()
         out["round"] = spear_round(model, dtype, quick, output_dir, progress=say, device=where,
                                    gradient_checkpointing=gradient_checkpointing)
     return out

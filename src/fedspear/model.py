@@ -214,8 +214,9 @@ def merged_adapter(model, enabled: bool = True):
     Raises:
         ValueError: peft's check found a non-finite merged weight (a broken adapter); nothing is changed then.
     """
-    layers = [m for m in model.modules() if hasattr(m, "lora_A") and hasattr(m, "get_base_layer")]
-    if not enabled or model.training or not layers or not hasattr(model, "merge_adapter"):
+    layers = [] if not enabled or model.training or not hasattr(model, "merge_adapter") else [
+        m for m in model.modules() if hasattr(m, "lora_A") and hasattr(m, "get_base_layer")]
+    if not layers:
         yield model
         return
     originals = [(m.get_base_layer(), m.get_base_layer().weight.data) for m in layers]

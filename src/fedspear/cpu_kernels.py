@@ -84,23 +84,30 @@ def store_linear_weights_bf16(base) -> int:
     The fp32 tensors left (embeddings, norms) are copied out of the checkpoint file, which transformers maps into
     memory (its tensors are views of the mapping): once no tensor refers to it the mapping is released, and with it
     the file pages the bf16 conversion read — resident memory counted against the process (SmolLM2-135M: ≈ 0.6 GB,
-    Qwen2.5-Coder-1.5B exported in fp32: ≈ 6 GB; issue 19 item 3).
+    Qwen2.5-Coder-1.5B exported in fp32: ≈ 6 GB; issue 19 item 3). Until then each converted tensor's file pages are
+    paged out as soon as it is converted (``fedspear.memory.page_out``), so the peak while loading is the bf16 model
+    plus one fp32 tensor, not plus the whole file.
     """
+    from fedspear.memory import page_out
+
     out = base.get_output_embeddings()
     inp = base.get_input_embeddings()
     if out is not None and inp is not None and out.weight is inp.weight:
         out.weight = torch.nn.Parameter(inp.weight.detach().to(torch.bfloat16), requires_grad=False)
-    n = 0
-    for module in base.modules():
-        if type(module) is torch.nn.Linear:
-            module.weight.data = module.weight.data.to(torch.bfloat16)
-            if module.bias is not None:
-                module.bias.data = module.bias.data.to(torch.bfloat16)
-            n += 1
+    linears = [module for module in base.modules() if type(module) is torch.nn.Linear]
+    in_linears = {id(t) for module in linears for t in (module.weight, module.bias) if t is not None}
     for tensor in [*base.parameters(), *base.buffers()]:
-        if tensor.dtype != torch.bfloat16:
-            tensor.data = tensor.data.clone()
-    return n
+        if id(tensor) not in in_linears and tensor.dtype != torch.bfloat16:
+            mapped = tensor.data
+            tensor.data = mapped.clone()
+            page_out(mapped)
+    for module in linears:
+        for tensor in (module.weight, module.bias):
+            if tensor is not None and tensor.dtype != torch.bfloat16:
+                mapped = tensor.data
+                tensor.data = mapped.to(torch.bfloat16)
+                page_out(mapped)
+    return len(linears)
 
 
 class FastDropout(torch.nn.Module):

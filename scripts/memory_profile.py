@@ -34,14 +34,10 @@ FIELDS = ("VmRSS", "RssAnon", "RssFile", "RssShmem")
 
 
 def status() -> dict[str, float]:
-    """This process's memory by kind, MiB."""
-    out = {}
-    with open("/proc/self/status", encoding="ascii") as fh:
-        for line in fh:
-            key = line.split(":", 1)[0]
-            if key in FIELDS:
-                out[key] = int(line.split()[1]) / 1024
-    return out
+    """This process's memory by kind, MiB (the fields of ``FIELDS``)."""
+    from fedspear.memory import status as memory_status
+
+    return {key: value for key, value in memory_status().items() if key in FIELDS}
 
 
 class Sampler(threading.Thread):

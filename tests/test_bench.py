@@ -121,10 +121,11 @@ def test_machine_marks_a_commit_whose_package_files_were_changed(monkeypatch, st
 def test_reset_peak_makes_a_later_peak_its_own():
     """After a large allocation is freed, ``reset_peak`` brings the reported peak down to the present size, so the
     rounds' server (in the bench's own process) is not charged with the throughput measurements' peak."""
-    from fedspear.memory import peak_rss_mb, release_memory, reset_peak
+    from fedspear.memory import peak_rss_mb, release_memory, reset_peak, status
 
     block = np.ones(400 * 2**20 // 8)  # 400 MiB, touched
     high = peak_rss_mb()
+    assert abs(status()["VmHWM"] - high) < 1  # ru_maxrss is the kernel's high-water mark
     del block
     now = release_memory()
     assert reset_peak()

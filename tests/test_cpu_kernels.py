@@ -139,11 +139,6 @@ def test_models_decode_with_the_fp32_decode_attention_as_with_sdpa(tiny, arc_ite
     torch.testing.assert_close(runs[0][1], runs[1][1], atol=1e-5, rtol=1e-5)
 
 
-def _rss_file_mb() -> float:
-    return next(int(line.split()[1]) / 1024 for line in Path("/proc/self/status").read_text().splitlines()
-                if line.startswith("RssFile:"))
-
-
 @pytest.mark.skipif(not Path("/proc/self/maps").exists(), reason="needs Linux's /proc/self/maps")
 def test_page_out_drops_a_mapped_tensors_pages_and_keeps_its_values():
     """A tensor viewing the mapped checkpoint file: once read, its pages count in the process's resident memory;
@@ -151,17 +146,17 @@ def test_page_out_drops_a_mapped_tensors_pages_and_keeps_its_values():
     in anonymous memory are left alone (0 bytes advised)."""
     from transformers import AutoModelForCausalLM
 
-    from fedspear.memory import page_out
+    from fedspear.memory import page_out, status
     from fedspear.model_zoo import resolve_model_dir
 
     base = AutoModelForCausalLM.from_pretrained(resolve_model_dir("smollm2-135m"), dtype=torch.float32)
     weight = base.get_input_embeddings().weight.data  # [49152, 576] fp32, 108 MiB of the file
     size_mb = weight.numel() * 4 / 2**20
     before = weight.double().sum().item()  # reads every page
-    resident = _rss_file_mb()
+    resident = status()["RssFile"]
     advised = page_out(weight)
     assert advised >= weight.numel() * 4
-    assert _rss_file_mb() < resident - 0.8 * size_mb
+    assert status()["RssFile"] < resident - 0.8 * size_mb
     assert weight.double().sum().item() == before
     assert page_out(weight.clone()) == 0 and page_out(torch.ones(4)[::2]) == 0
 

@@ -28,6 +28,23 @@ def reset_peak() -> bool:
         return False
 
 
+def status() -> dict[str, float]:
+    """This process's resident memory by kind from Linux's ``/proc/self/status``, MiB: ``VmRSS`` (all), ``RssAnon``
+    (private memory: tensors, malloc heaps), ``RssFile`` (mapped file pages, such as a checkpoint's; reclaimable, yet
+    counted in the resident size and in ``peak_rss_mb``), ``RssShmem`` (shared memory, e.g. Ray's object store) and
+    ``VmHWM`` (the peak). Empty where there is no /proc."""
+    out = {}
+    try:
+        with open("/proc/self/status", encoding="ascii") as fh:
+            for line in fh:
+                key = line.split(":", 1)[0]
+                if key in ("VmRSS", "RssAnon", "RssFile", "RssShmem", "VmHWM"):
+                    out[key] = int(line.split()[1]) / 1024
+    except (OSError, ValueError):
+        return {}
+    return out
+
+
 def release_memory() -> float:
     """Give the memory a finished phase freed back to the OS; return this process's resident memory after (MiB).
 
@@ -46,11 +63,7 @@ def release_memory() -> float:
         ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6").malloc_trim(0)
     except (OSError, AttributeError):
         pass
-    try:
-        with open("/proc/self/status", encoding="ascii") as status:
-            return next(int(line.split()[1]) / 1024 for line in status if line.startswith("VmRSS:"))
-    except (OSError, StopIteration, ValueError):
-        return float("nan")
+    return status().get("VmRSS", float("nan"))
 
 
 def _file_mapping_of(address: int) -> tuple[int, int] | None:

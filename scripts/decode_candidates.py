@@ -18,6 +18,10 @@ bandwidth bound (batch × copy bandwidth ÷ bytes of the weights a step reads):
   (``fedspear.model.merged_adapter``): the 210 LoRA branches of SmolLM2 (5–6 small ops each) disappear from a decode
   step. With bf16 weights the merged update is rounded to bf16, i.e. quantised (compare its greedy answers).
 
+``--profile``: one more decode run per candidate at the largest batch under ``torch.profiler``, printing the ops
+that take most of a step (self CPU time, top 15), to see whether a step is the matmuls, the KV cache's copies or
+the dispatch of small ops.
+
 Then ``--check N``: greedy answers to the first N ARC-Challenge test prompts, each candidate against ``eager``
 (tokens equal?), with a random non-zero adapter so LoRA is exercised.
 
@@ -98,6 +102,28 @@ def decode_rate(model, tokenizer, dtype_used: str, candidate: str, batch: int, p
 
 
 @torch.no_grad()
+def decode_profile(model, tokenizer, dtype_used: str, candidate: str, batch: int, prompt: int, new: int,
+                   top: int = 15) -> list[dict]:
+    """The ``top`` ops by self CPU time over one ``generate`` call of ``new`` tokens (prefill included), with
+    their share of the call's total self CPU time (``torch.profiler``)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from fedspear.model import autocast
+
+    ids = torch.randint(100, 1000, (batch, prompt))
+    extra = generate_kwargs(candidate)
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        with autocast(dtype_used), _merged(model, candidate):
+            model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=new, min_new_tokens=new,
+                           do_sample=False, pad_token_id=tokenizer.pad_token_id, use_cache=True, **extra)
+    events = prof.key_averages()
+    total = sum(e.self_cpu_time_total for e in events) or 1
+    rows = sorted(events, key=lambda e: e.self_cpu_time_total, reverse=True)[:top]
+    return [{"op": e.key, "calls": e.count, "self_ms": e.self_cpu_time_total / 1e3,
+             "share": e.self_cpu_time_total / total} for e in rows]
+
+
+@torch.no_grad()
 def greedy_answers(model, tokenizer, dtype_used: str, candidate: str, contexts: list[list[int]], new: int) -> list:
     from fedspear.model import autocast
 
@@ -122,6 +148,7 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--prompt", type=int, default=200)
     parser.add_argument("--new", type=int, default=32)
     parser.add_argument("--check", type=int, default=16, help="ARC prompts whose greedy answers are compared")
+    parser.add_argument("--profile", action="store_true", help="top ops of a decode run per candidate")
     parser.add_argument("--output", type=Path)
     args = parser.parse_args(argv)
 
@@ -152,6 +179,14 @@ def main(argv: list[str] | None = None) -> dict:
             out["rates"][f"{candidate}/batch_{batch}"] = r
             print(f"{candidate:9s} batch {batch:3d}: {r['tokens_per_s']:7.0f} tokens/s = {r['utilisation']:.0%} of "
                   f"the bound; first call {r['first_call_s']:.1f} s", flush=True)
+    if args.profile:
+        out["profile"] = {}
+        for candidate in args.candidates:
+            rows = decode_profile(model, tokenizer, dtype_used, candidate, max(args.batches), args.prompt, args.new)
+            out["profile"][candidate] = rows
+            print(f"{candidate}, batch {max(args.batches)}, {args.new} new tokens: top ops by self CPU time")
+            for row in rows:
+                print(f"  {row['share']:6.1%} {row['self_ms']:9.1f} ms {row['calls']:7d} calls  {row['op']}")
     if args.check:
         items = arc_challenge.load("test")[: args.check]
         contexts = [render(tokenizer, [arc_challenge.prompt(e)]) for e in items]

@@ -3,8 +3,8 @@
 The 135M model's decode is dispatch-bound (thousands of small ops per step); the issue asks to measure the
 candidates and keep what wins. Each candidate decodes exactly ``--new`` tokens greedily for a batch of random
 ``--prompt``-token contexts with the LoRA adapter of a SPEAR client attached (r 16, all seven projections), as
-``fedspear bench`` does; decode tokens/s excludes the prefill (a 1-token run is subtracted) and is set against the
-bandwidth bound (batch × copy bandwidth ÷ bytes of the weights a step reads):
+``fedspear bench`` does; decode tokens/s is timed step by step (the prefill excluded), median of 3 calls, and set
+against the bandwidth bound (batch × copy bandwidth ÷ bytes of the weights a step reads):
 
 - ``eager``: transformers' ``generate`` with the dynamic KV cache, as fedspear runs today;
 - ``static``: the same with a static (pre-allocated) KV cache, not compiled;
@@ -78,27 +78,24 @@ def _merged(model, candidate: str):
 
 @torch.no_grad()
 def decode_rate(model, tokenizer, dtype_used: str, candidate: str, batch: int, prompt: int, new: int,
-                repeats: int = 2) -> dict:
-    """Seconds of the first call (compile included) and decode tokens/s over ``repeats`` later calls."""
+                repeats: int = 3) -> dict:
+    """Seconds of the first call (compile included) and decode tokens/s, median of ``repeats`` later calls timed
+    step by step (``fedspear.experiments.bench.decode_tokens_per_s``: prefill excluded)."""
+    import statistics
+
+    from fedspear.experiments.bench import decode_tokens_per_s
     from fedspear.model import autocast
 
     ids = torch.randint(100, 1000, (batch, prompt))
-    extra = generate_kwargs(candidate)
-
-    def gen(n: int) -> float:
-        t0 = time.perf_counter()
-        with autocast(dtype_used), _merged(model, candidate):
-            model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, min_new_tokens=n,
-                           do_sample=False, pad_token_id=tokenizer.pad_token_id, use_cache=True, **extra)
-        return time.perf_counter() - t0
-
-    first = gen(new)
-    rates = []
-    for _ in range(repeats):
-        prefill = gen(1)
-        total = gen(new)
-        rates.append(batch * (new - 1) / max(1e-9, total - prefill))
-    return {"first_call_s": first, "tokens_per_s": max(rates), "runs": rates}
+    t0 = time.perf_counter()
+    with autocast(dtype_used), _merged(model, candidate):
+        model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=new, min_new_tokens=new,
+                       do_sample=False, pad_token_id=tokenizer.pad_token_id, use_cache=True,
+                       **generate_kwargs(candidate))
+    first = time.perf_counter() - t0
+    runs = decode_tokens_per_s(model, tokenizer, dtype_used, batch, prompt, new, repeats=repeats,
+                               merge=candidate == "merged", **generate_kwargs(candidate))
+    return {"first_call_s": first, "tokens_per_s": statistics.median(runs), "runs": runs}
 
 
 @torch.no_grad()

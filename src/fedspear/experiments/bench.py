@@ -30,6 +30,7 @@ from __future__ import annotations
 import datetime as _dt
 import json
 import platform
+import statistics
 import tempfile
 import time
 from pathlib import Path
@@ -208,30 +209,67 @@ def prefill_tokens_per_s(model, dtype_used: str, batch: int, length: int, second
     return batch * length / per_call
 
 
+class StepClock:
+    """A logits processor that only notes the time: ``generate`` calls it once per new token, right after that token's
+    forward, so ``times[-1] − times[0]`` spans the decode steps alone (the prefill's forward comes before the first
+    call; merging an adapter, tokenising and the like come before or after). On a GPU each step is waited for.
+
+    Subtracting a 1-token ``generate`` call's time from a ``new``-token one (the bench's method until 2026-11-26)
+    mixes two prefills of several seconds into a decode of a few seconds: two runs of the same decode differed by up
+    to 1.7× on one machine.
+    """
+
+    def __init__(self, device: torch.device | str = "cpu"):
+        self.device = device
+        self.times: list[float] = []
+
+    def __call__(self, input_ids, scores):
+        _sync(self.device)
+        self.times.append(time.perf_counter())
+        return scores
+
+    def tokens_per_s(self, batch: int) -> float:
+        """Decode tokens per second over the steps after the first (``batch`` rows each); nan with fewer than 2."""
+        if len(self.times) < 2:
+            return float("nan")
+        return batch * (len(self.times) - 1) / max(1e-9, self.times[-1] - self.times[0])
+
+
 @torch.no_grad()
-def decode_tokens_per_s(model, tokenizer, dtype_used: str, batch: int, prompt: int, new: int) -> float:
-    """Greedy decoding of exactly ``new`` tokens per row after a ``prompt``-token prefill; prefill time excluded.
-    The adapter is merged into the weights when fedspear's generation would merge it (``merges_adapter``)."""
+def decode_tokens_per_s(model, tokenizer, dtype_used: str, batch: int, prompt: int, new: int, repeats: int = 3,
+                        merge: bool | None = None, **generate_kwargs) -> list[float]:
+    """Greedy decoding of exactly ``new`` tokens per row after a ``prompt``-token prefill, timed step by step
+    (``StepClock``: the prefill excluded): decode tokens/s of each of ``repeats`` calls after a warm-up call. The
+    adapter is merged into the weights when fedspear's generation would merge it (``merges_adapter``) unless
+    ``merge`` says otherwise; ``generate_kwargs`` go to ``generate`` (e.g. a static cache).
+
+    Raises:
+        ValueError: ``new`` < 2 (no decode step to time).
+    """
+    from transformers import LogitsProcessor, LogitsProcessorList
+
     from ..generation import merges_adapter
     from ..model import merged_adapter
 
+    if new < 2:
+        raise ValueError(f"decode needs at least 2 new tokens to time a step (got {new})")
     device = model_device(model)
     ids = torch.randint(100, 1000, (batch, prompt), device=device)
     model.eval()
+    merge = merges_adapter(model, dtype_used) if merge is None else merge
 
-    def gen(n):
-        with autocast(dtype_used, device.type), merged_adapter(model, enabled=merges_adapter(model, dtype_used)):
-            model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, min_new_tokens=n,
-                           do_sample=False, pad_token_id=tokenizer.pad_token_id, use_cache=True)
-        _sync(device)
-    gen(2)
-    t0 = time.perf_counter()
-    gen(1)
-    prefill = time.perf_counter() - t0
-    t0 = time.perf_counter()
-    gen(new)
-    total = time.perf_counter() - t0
-    return batch * (new - 1) / max(1e-9, total - prefill)
+    class Clock(StepClock, LogitsProcessor):
+        pass
+
+    rates = []
+    for _ in range(repeats + 1):
+        clock = Clock(device)
+        with autocast(dtype_used, device.type), merged_adapter(model, enabled=merge):
+            model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=new, min_new_tokens=new,
+                           do_sample=False, pad_token_id=tokenizer.pad_token_id, use_cache=True,
+                           logits_processor=LogitsProcessorList([clock]), **generate_kwargs)
+        rates.append(clock.tokens_per_s(batch))
+    return rates[1:]
 
 
 def train_tokens_per_s(model, dtype_used: str, batch: int, length: int, seconds: float, kept: int = 16) -> float:
@@ -311,9 +349,12 @@ def run_bench(model: str = "smollm2-135m", dtype: str = "auto", quick: bool = Fa
     decode = {}
     for b in (1, 8, 32):
         say(f"decode at batch {b}")
-        tps = decode_tokens_per_s(peft, tokenizer, dtype_used, b, 16 if quick else 200, 4 if quick else 32)
+        runs = decode_tokens_per_s(peft, tokenizer, dtype_used, b, 16 if quick else 200, 4 if quick else 32,
+                                   repeats=1 if quick else 3)
+        tps = statistics.median(runs)
         bound = b * bounds["memory_bandwidth_bytes_per_s"] / weight_bytes
-        decode[f"batch_{b}"] = {"tokens_per_s": tps, "bound_tokens_per_s": bound, "utilisation": tps / bound}
+        decode[f"batch_{b}"] = {"tokens_per_s": tps, "runs": runs, "bound_tokens_per_s": bound,
+                                "utilisation": tps / bound}
     items = arc_challenge.load("test")[: 8 if quick else 64]
     say(f"evaluation of {len(items)} ARC-Challenge items")
     t0 = time.perf_counter()
@@ -346,7 +387,6 @@ def spear_round(model: str, dtype: str, quick: bool, output_dir: str | None, rou
     the median seconds per client-round — the issue's "median of 3" — next to every round's figure. The first round
     also pays the one-time start of the client actor and its model load (in its Flower overhead).
     """
-    import statistics
 
     from ..fl.simulation import simulate
     from ..rundir import RunDir
@@ -422,7 +462,6 @@ def scaling(model: str = "smollm2-135m", dtype: str = "auto", quick: bool = Fals
         ``{"reference": {…}, "axes": {axis: [{"value": v, "seconds": {phase: s}, "counters": {…}}, …]}}``.
     """
     import dataclasses
-    import statistics
 
     from ..fl.simulation import simulate
     from ..model import get_adapter, resolve_device

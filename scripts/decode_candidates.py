@@ -18,9 +18,9 @@ against the bandwidth bound (batch × copy bandwidth ÷ bytes of the weights a s
   (``fedspear.model.merged_adapter``): the 210 LoRA branches of SmolLM2 (5–6 small ops each) disappear from a decode
   step. With bf16 weights the merged update is rounded to bf16, i.e. quantised (compare its greedy answers).
 
-``--profile``: one more decode run per candidate at the largest batch under ``torch.profiler``, printing the ops
-that take most of a step (self CPU time, top 15), to see whether a step is the matmuls, the KV cache's copies or
-the dispatch of small ops.
+``--profile``: one more decode run per candidate at the largest batch under ``torch.profiler`` (from the first new
+token on: the prefill is not profiled), printing the ops that take most of a step (self CPU time, top 15), to see
+whether a step is the matmuls, the KV cache's copies or the dispatch of small ops.
 
 Then ``--check N``: greedy answers to the first N ARC-Challenge test prompts, each candidate against ``eager``
 (tokens equal?), with a random non-zero adapter so LoRA is exercised.
@@ -101,18 +101,29 @@ def decode_rate(model, tokenizer, dtype_used: str, candidate: str, batch: int, p
 @torch.no_grad()
 def decode_profile(model, tokenizer, dtype_used: str, candidate: str, batch: int, prompt: int, new: int,
                    top: int = 15) -> list[dict]:
-    """The ``top`` ops by self CPU time over one ``generate`` call of ``new`` tokens (prefill included), with
-    their share of the call's total self CPU time (``torch.profiler``)."""
+    """The ``top`` ops by self CPU time over the decode steps of one ``generate`` call of ``new`` tokens (the
+    profiler starts after the prefill's forward, at the first token's logits), with their share of the steps' total
+    self CPU time (``torch.profiler``)."""
     from torch.profiler import ProfilerActivity, profile
+    from transformers import LogitsProcessor, LogitsProcessorList
 
     from fedspear.model import autocast
 
+    prof = profile(activities=[ProfilerActivity.CPU])
+
+    class StartAtFirstToken(LogitsProcessor):
+        def __call__(self, input_ids, scores):
+            if not getattr(self, "started", False):
+                prof.start()
+                self.started = True
+            return scores
+
     ids = torch.randint(100, 1000, (batch, prompt))
-    extra = generate_kwargs(candidate)
-    with profile(activities=[ProfilerActivity.CPU]) as prof:
-        with autocast(dtype_used), _merged(model, candidate):
-            model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=new, min_new_tokens=new,
-                           do_sample=False, pad_token_id=tokenizer.pad_token_id, use_cache=True, **extra)
+    with autocast(dtype_used), _merged(model, candidate):
+        model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=new, min_new_tokens=new,
+                       do_sample=False, pad_token_id=tokenizer.pad_token_id, use_cache=True,
+                       logits_processor=LogitsProcessorList([StartAtFirstToken()]), **generate_kwargs(candidate))
+    prof.stop()
     events = prof.key_averages()
     total = sum(e.self_cpu_time_total for e in events) or 1
     rows = sorted(events, key=lambda e: e.self_cpu_time_total, reverse=True)[:top]

@@ -6,7 +6,7 @@ candidates and keep what wins. Each candidate decodes exactly ``--new`` tokens g
 ``fedspear bench`` does; decode tokens/s is timed step by step (the prefill excluded), median of 3 calls, and set
 against the bandwidth bound (batch × copy bandwidth ÷ bytes of the weights a step reads):
 
-- ``eager``: transformers' ``generate`` with the dynamic KV cache, as fedspear runs today;
+- ``eager``: transformers' ``generate`` with its dynamic KV cache (concatenated at every step);
 - ``static``: the same with a static (pre-allocated) KV cache, not compiled;
 - ``compiled``: static cache + ``torch.compile`` of the decode step (transformers' ``CompileConfig``, inductor,
   ``mode="default"``, static shapes), compiled at the first call of each batch shape and reused after; the first
@@ -14,6 +14,8 @@ against the bandwidth bound (batch × copy bandwidth ÷ bytes of the weights a s
 - ``frozen``: the same with inductor's ``freezing`` (its CPU inference setting: weights become constants of the
   graph and are pre-packed for oneDNN). The adapter is frozen into the graph too, so a client would recompile after
   every adapter update;
+- ``prealloc``: eager, with fedspear's KV cache written in place (``fedspear.cpu_kernels.preallocated_cache``; what
+  fedspear's generation uses) instead of concatenated at every step;
 - ``merged``: eager, with the LoRA adapter merged into the base weights for the call
   (``fedspear.model.merged_adapter``): the 210 LoRA branches of SmolLM2 (5–6 small ops each) disappear from a decode
   step. With bf16 weights the merged update is rounded to bf16, i.e. quantised (compare its greedy answers).
@@ -44,12 +46,12 @@ sys.path.insert(0, str(ROOT / "src"))
 
 import torch  # noqa: E402
 
-CANDIDATES = ("eager", "static", "compiled", "frozen", "merged")
+CANDIDATES = ("eager", "prealloc", "static", "compiled", "frozen", "merged")
 
 
 def generate_kwargs(candidate: str) -> dict:
-    """Extra ``generate`` arguments of a candidate."""
-    if candidate in ("eager", "merged"):
+    """Extra ``generate`` arguments of a candidate (``prealloc``'s cache is made per call: ``cache_of``)."""
+    if candidate in ("eager", "merged", "prealloc"):
         return {}
     if candidate == "static":
         return {"cache_implementation": "static", "disable_compile": True}
@@ -67,6 +69,18 @@ def generate_kwargs(candidate: str) -> dict:
         config._compile_all_devices = True
         return {"cache_implementation": "static", "compile_config": config}
     raise ValueError(candidate)
+
+
+def cache_of(candidate: str) -> str:
+    """``decode_tokens_per_s``'s ``cache``: fedspear's preallocated one for ``prealloc``, transformers' otherwise."""
+    return "fedspear" if candidate == "prealloc" else "transformers"
+
+
+def _with_cache(model, candidate: str, capacity: int) -> dict:
+    from fedspear.cpu_kernels import preallocated_cache
+
+    kv = preallocated_cache(model, capacity) if cache_of(candidate) == "fedspear" else None
+    return dict(generate_kwargs(candidate), **({"past_key_values": kv} if kv is not None else {}))
 
 
 def _merged(model, candidate: str):
@@ -91,10 +105,10 @@ def decode_rate(model, tokenizer, dtype_used: str, candidate: str, batch: int, p
     with autocast(dtype_used), _merged(model, candidate):
         model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=new, min_new_tokens=new,
                        do_sample=False, pad_token_id=tokenizer.pad_token_id, use_cache=True,
-                       **generate_kwargs(candidate))
+                       **_with_cache(model, candidate, prompt + new))
     first = time.perf_counter() - t0
     runs = decode_tokens_per_s(model, tokenizer, dtype_used, batch, prompt, new, repeats=repeats,
-                               merge=candidate == "merged", **generate_kwargs(candidate))
+                               merge=candidate == "merged", cache=cache_of(candidate), **generate_kwargs(candidate))
     return {"first_call_s": first, "tokens_per_s": statistics.median(runs), "runs": runs}
 
 
@@ -122,7 +136,8 @@ def decode_profile(model, tokenizer, dtype_used: str, candidate: str, batch: int
     with autocast(dtype_used), _merged(model, candidate):
         model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=new, min_new_tokens=new,
                        do_sample=False, pad_token_id=tokenizer.pad_token_id, use_cache=True,
-                       logits_processor=LogitsProcessorList([StartAtFirstToken()]), **generate_kwargs(candidate))
+                       logits_processor=LogitsProcessorList([StartAtFirstToken()]),
+                       **_with_cache(model, candidate, prompt + new))
     prof.stop()
     events = prof.key_averages()
     total = sum(e.self_cpu_time_total for e in events) or 1
@@ -143,7 +158,8 @@ def greedy_answers(model, tokenizer, dtype_used: str, candidate: str, contexts: 
         mask[i, width - len(c):] = 1
     with autocast(dtype_used), _merged(model, candidate):
         out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=new, do_sample=False,
-                             pad_token_id=tokenizer.pad_token_id, use_cache=True, **generate_kwargs(candidate))
+                             pad_token_id=tokenizer.pad_token_id, use_cache=True,
+                             **_with_cache(model, candidate, width + new))
     return out[:, width:].tolist()
 
 

@@ -3,6 +3,7 @@ attention (fedspear.cpu_kernels)."""
 
 from __future__ import annotations
 
+import gc
 import math
 from pathlib import Path
 
@@ -159,6 +160,8 @@ def test_page_out_drops_a_mapped_tensors_pages_and_keeps_its_values():
     assert status()["RssFile"] < resident - 0.8 * size_mb
     assert weight.double().sum().item() == before
     assert page_out(weight.clone()) == 0 and page_out(torch.ones(4)[::2]) == 0
+    del base, weight
+    gc.collect()  # unmap the file: the kernel pages out only pages no other process maps (next test)
 
 
 @pytest.mark.skipif(not Path("/proc/self/maps").exists(), reason="needs Linux's /proc/self/maps")
@@ -169,16 +172,28 @@ def test_bf16_loading_peaks_at_the_bf16_model_not_the_whole_file():
     import subprocess
     import sys
 
+    from fedspear.model_zoo import resolve_model_dir
+
+    # resident memory sampled every 5 ms (the kernel's high-water mark misses pages reclaimed by a page-out, and a
+    # child's ru_maxrss starts from its parent's)
     script = (
-        "import sys, torch\n"
+        "import sys, threading, time\n"
         "import fedspear.memory as memory\n"
         "if sys.argv[1] == 'off': memory.page_out = lambda tensor: 0\n"
-        "import transformers\n"
+        "import torch, transformers\n"
         "from fedspear.model import load_base\n"
-        "memory.reset_peak(); start = memory.peak_rss_mb()\n"
+        "peak, done = [0.0], []\n"
+        "def sample():\n"
+        "    while not done:\n"
+        "        peak[0] = max(peak[0], memory.status()['VmRSS']); time.sleep(0.005)\n"
+        "start = memory.status()['VmRSS']; sampler = threading.Thread(target=sample); sampler.start()\n"
         "load_base('smollm2-135m', 'bf16', 'cpu')\n"
-        "print(memory.peak_rss_mb() - start)\n"
+        "done.append(1); sampler.join()\n"
+        "print(peak[0] - start)\n"
     )
+    gc.collect()  # no mapping of the file left in this process: the kernel skips pages two processes map
+    target = str(Path(resolve_model_dir("smollm2-135m")).resolve())
+    assert not any(target in line for line in Path("/proc/self/maps").read_text().splitlines())
     grown = {}
     for setting in ("off", "on"):
         done = subprocess.run([sys.executable, "-c", script, setting], capture_output=True, text=True, check=True)
@@ -192,7 +207,6 @@ def test_bf16_loading_releases_the_mapped_checkpoint_file():
     """transformers maps the checkpoint file and hands out views of it; once the linears are bf16 copies and the
     fp32 rest is copied out, nothing refers to the mapping, so the file (and the pages the conversion read, counted
     in the process's resident memory) is no longer mapped. In fp32 the weights are the mapping itself."""
-    import gc
 
     from fedspear.model import load_base
     from fedspear.model_zoo import resolve_model_dir

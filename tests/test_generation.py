@@ -119,3 +119,66 @@ def test_fp32_generation_merges_the_adapter_and_gives_the_unmerged_greedy_answer
     for dtype_used in ("fp32", "bf16"):
         generation.generate(model, tok, contexts[:2], max_new_tokens=2, do_sample=False, dtype_used=dtype_used)
     assert seen == [True, False]
+
+
+def test_preallocated_cache_layer_holds_what_concatenation_would():
+    """A PreallocatedLayer returns exactly the concatenated keys/values after a prefill, decode steps, a repeat over
+    the batch (transformers' new tensors are copied into fresh buffers), a crop and a buffer that fills up."""
+    from fedspear.cpu_kernels import preallocated_layer_class
+
+    torch.manual_seed(0)
+    layer, keys, values = preallocated_layer_class()(capacity=7), [], []
+
+    def step(n: int, batch: int = 2):
+        k, v = torch.randn(batch, 3, n, 4), torch.randn(batch, 3, n, 4)
+        keys.append(k)
+        values.append(v)
+        return layer.update(k, v)
+
+    out = step(5)  # prefill
+    for _ in range(2):
+        out = step(1)  # decode steps: written in place, no new buffer
+    assert torch.equal(out[0], torch.cat(keys, dim=-2)) and torch.equal(out[1], torch.cat(values, dim=-2))
+    assert out[0].data_ptr() == layer._buffers[0].data_ptr() and layer._buffers[0].shape[-2] == 7
+    layer.batch_repeat_interleave(2)  # a new, contiguous [4, 3, 7, 4] tensor
+    keys, values = [torch.cat(keys, -2).repeat_interleave(2, 0)], [torch.cat(values, -2).repeat_interleave(2, 0)]
+    out = step(1, batch=4)  # 8 > 7: re-buffered, doubled
+    assert layer._buffers[0].shape == (4, 3, 14, 4) and layer.get_seq_length() == 8
+    assert torch.equal(out[0], torch.cat(keys, dim=-2)) and torch.equal(out[1], torch.cat(values, dim=-2))
+    layer.crop(-3)
+    keys, values = [torch.cat(keys, -2)[..., :5, :]], [torch.cat(values, -2)[..., :5, :]]
+    out = step(1, batch=4)
+    assert torch.equal(out[0], torch.cat(keys, dim=-2)) and torch.equal(out[1], torch.cat(values, dim=-2))
+
+
+def test_generation_with_the_preallocated_cache_gives_the_same_answers(tiny, arc_items, monkeypatch):
+    """Greedy answers, first-step logits and seeded samples are the same whether the KV cache grows by
+    concatenation (transformers' DynamicLayer) or is written in place (fedspear's PreallocatedLayer), with and
+    without the shared prefix; a model whose cache has other layer kinds gets transformers' own cache."""
+    import copy
+
+    import fedspear.generation as generation
+    from fedspear.cpu_kernels import preallocated_cache
+
+    model, tok = tiny
+    model = with_random_adapter(copy.deepcopy(model), 0.5)
+    contexts = [render(tok, [arc_challenge.prompt(ex)]) for ex in arc_items]
+    assert preallocated_cache(model, 10) is not None
+    runs = {}
+    for cache in ("preallocated", "concatenated"):
+        if cache == "concatenated":
+            monkeypatch.setattr(generation, "preallocated_cache", lambda model, capacity: None)
+        for reuse in (False, True):
+            first: list = []
+            greedy = generation.generate(model, tok, contexts, max_new_tokens=6, do_sample=False, first_logits=first,
+                                         reuse_prefix=reuse)
+            torch.manual_seed(5)
+            sampled = generation.generate(model, tok, contexts, max_new_tokens=6, do_sample=True, reuse_prefix=reuse)
+            runs[cache, reuse] = greedy, torch.stack(first), sampled
+    for reuse in (False, True):
+        a, b = runs["preallocated", reuse], runs["concatenated", reuse]
+        assert a[0] == b[0] and a[2] == b[2]
+        torch.testing.assert_close(a[1], b[1], atol=0, rtol=0)
+    sliding = copy.deepcopy(model.config)
+    sliding.sliding_window = 4
+    assert preallocated_cache(type("M", (), {"config": sliding})(), 10) is None

@@ -9,6 +9,7 @@ from typing import Sequence
 import torch
 
 from . import progress
+from .cpu_kernels import preallocated_cache
 from .model import autocast, merged_adapter, model_device, pad_id
 
 
@@ -121,10 +122,12 @@ def _generate_batches(model, tokenizer, contexts, max_new_tokens, dtype_used, do
         steps = _DecodeSteps() if progress.active() else None
         if steps is not None:
             kwargs["stopping_criteria"] = [steps]
+        cache = preallocated_cache(model, prefix + width + max_new_tokens)  # None: transformers' own cache
         with autocast(dtype_used, device.type):
             if prefix:
-                cache = model(input_ids=input_ids[:1, :prefix], use_cache=True).past_key_values
+                cache = model(input_ids=input_ids[:1, :prefix], past_key_values=cache, use_cache=True).past_key_values
                 cache.batch_repeat_interleave(len(chunk))
+            if cache is not None:
                 kwargs["past_key_values"] = cache
             generated = model.generate(
                 input_ids=input_ids,

@@ -88,7 +88,8 @@ def page_out(tensor) -> int:
     file-backed, not contiguous, or the kernel offers no such advice.
 
     A hint, not a release: the tensor's values cannot change — clean file pages are dropped and read again from the
-    file if touched, copied-on-write pages are kept. transformers loads a checkpoint as views of the mapped
+    file if touched, copied-on-write pages are kept; pages another process maps too are left (the kernel pages out
+    only pages mapped once). transformers loads a checkpoint as views of the mapped
     safetensors file, and every file page read counts in this process's resident memory until the mapping goes: the
     bf16 conversion of Qwen2.5-Coder-1.5B's fp32 export read 6.7 GiB of them beside the bf16 copies it built
     (``store_linear_weights_bf16`` now pages out each weight once it is converted; issue 19 item 3).

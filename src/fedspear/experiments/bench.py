@@ -237,17 +237,20 @@ class StepClock:
 
 @torch.no_grad()
 def decode_tokens_per_s(model, tokenizer, dtype_used: str, batch: int, prompt: int, new: int, repeats: int = 3,
-                        merge: bool | None = None, **generate_kwargs) -> list[float]:
+                        merge: bool | None = None, cache: str = "fedspear", **generate_kwargs) -> list[float]:
     """Greedy decoding of exactly ``new`` tokens per row after a ``prompt``-token prefill, timed step by step
     (``StepClock``: the prefill excluded): decode tokens/s of each of ``repeats`` calls after a warm-up call. The
     adapter is merged into the weights when fedspear's generation would merge it (``merges_adapter``) unless
-    ``merge`` says otherwise; ``generate_kwargs`` go to ``generate`` (e.g. a static cache).
+    ``merge`` says otherwise; the KV cache is fedspear generation's (``cache = "fedspear"``: written in place,
+    ``cpu_kernels.preallocated_cache``) or transformers' default (``"transformers"``); ``generate_kwargs`` go to
+    ``generate`` (e.g. a static cache, with ``cache = "transformers"``).
 
     Raises:
         ValueError: ``new`` < 2 (no decode step to time).
     """
     from transformers import LogitsProcessor, LogitsProcessorList
 
+    from ..cpu_kernels import preallocated_cache
     from ..generation import merges_adapter
     from ..model import merged_adapter
 
@@ -264,10 +267,12 @@ def decode_tokens_per_s(model, tokenizer, dtype_used: str, batch: int, prompt: i
     rates = []
     for _ in range(repeats + 1):
         clock = Clock(device)
+        kv = preallocated_cache(model, prompt + new) if cache == "fedspear" else None
+        extra = dict(generate_kwargs, past_key_values=kv) if kv is not None else generate_kwargs
         with autocast(dtype_used, device.type), merged_adapter(model, enabled=merge):
             model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=new, min_new_tokens=new,
                            do_sample=False, pad_token_id=tokenizer.pad_token_id, use_cache=True,
-                           logits_processor=LogitsProcessorList([clock]), **generate_kwargs)
+                           logits_processor=LogitsProcessorList([clock]), **extra)
         rates.append(clock.tokens_per_s(batch))
     return rates[1:]
 

@@ -123,7 +123,8 @@ def test_fp32_generation_merges_the_adapter_and_gives_the_unmerged_greedy_answer
 
 def test_preallocated_cache_layer_holds_what_concatenation_would():
     """A PreallocatedLayer returns exactly the concatenated keys/values after a prefill, decode steps, a repeat over
-    the batch (transformers' new tensors are copied into fresh buffers), a crop and a buffer that fills up."""
+    the batch (transformers' new tensors are copied into fresh buffers), a crop and a buffer that fills up; its
+    buffers hold what is cached plus GROW positions, up to the capacity, not the whole budget at once."""
     from fedspear.cpu_kernels import preallocated_layer_class
 
     torch.manual_seed(0)
@@ -142,9 +143,14 @@ def test_preallocated_cache_layer_holds_what_concatenation_would():
     assert out[0].data_ptr() == layer._buffers[0].data_ptr() and layer._buffers[0].shape[-2] == 7
     layer.batch_repeat_interleave(2)  # a new, contiguous [4, 3, 7, 4] tensor
     keys, values = [torch.cat(keys, -2).repeat_interleave(2, 0)], [torch.cat(values, -2).repeat_interleave(2, 0)]
-    out = step(1, batch=4)  # 8 > 7: re-buffered, doubled
-    assert layer._buffers[0].shape == (4, 3, 14, 4) and layer.get_seq_length() == 8
+    out = step(1, batch=4)  # 8 > capacity 7: re-buffered with GROW more
+    assert layer._buffers[0].shape == (4, 3, 8 + layer.GROW, 4) and layer.get_seq_length() == 8
     assert torch.equal(out[0], torch.cat(keys, dim=-2)) and torch.equal(out[1], torch.cat(values, dim=-2))
+    big = preallocated_layer_class()(capacity=1000)
+    big.update(torch.randn(2, 3, 100, 4), torch.randn(2, 3, 100, 4))
+    assert big._buffers[0].shape[-2] == 100 + big.GROW  # not 1000
+    big.update(torch.randn(2, 3, 400, 4), torch.randn(2, 3, 400, 4))
+    assert big._buffers[0].shape[-2] == 500 + 500 // 4 and big.get_seq_length() == 500
     layer.crop(-3)
     keys, values = [torch.cat(keys, -2)[..., :5, :]], [torch.cat(values, -2)[..., :5, :]]
     out = step(1, batch=4)

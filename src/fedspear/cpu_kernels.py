@@ -59,9 +59,9 @@ def decode_attention_forward(module, query, key, value, attention_mask, dropout:
 
 
 def preallocated_cache(model, capacity: int):
-    """A transformers ``DynamicCache`` for ``model`` whose layers are ``PreallocatedLayer`` layers with room
-    for ``capacity`` positions (prompt + new tokens), or None when the model's cache has other layer kinds (sliding
-    windows, shared layers): pass it as ``generate``'s ``past_key_values``."""
+    """A transformers ``DynamicCache`` for ``model`` whose layers are ``PreallocatedLayer`` layers growing up to
+    ``capacity`` positions (prompt + new tokens) without a copy per step, or None when the model's cache has other
+    layer kinds (sliding windows, shared layers): pass it as ``generate``'s ``past_key_values``."""
     from transformers import DynamicCache
     from transformers.cache_utils import DynamicLayer
 
@@ -81,9 +81,13 @@ def preallocated_layer_class():
         """transformers' ``DynamicLayer`` with its keys and values kept in buffers with room to grow: a decode step
         writes its token in place instead of concatenating a copy of the whole cache (``torch.cat`` per layer per
         step: ≈ 20% of an fp32 SmolLM2 decode step at batch 32, docs/performance.md). ``keys``/``values`` are views
-        ``[B, KV, L, D]`` of the buffers ``[B, KV, capacity, D]``, so attention reads the same values; a cache
-        repeated, cropped or reordered by transformers (new tensors) is copied into fresh buffers at the next
-        update; a buffer that fills up doubles."""
+        ``[B, KV, L, D]`` of buffers ``[B, KV, room, D]``, so attention reads the same values. A buffer holds
+        what is cached plus ``max(GROW, a quarter)`` positions, up to ``capacity`` (prompt + token budget) — not the
+        whole budget at once, which an evaluation with a long budget and short answers would never fill — and is
+        replaced by a larger one when full (a copy every few dozen steps instead of every step); a cache repeated,
+        cropped or reordered by transformers (new tensors) is copied into fresh buffers at the next update."""
+
+        GROW = 64  # positions added at least when a buffer is (re)allocated
 
         def __init__(self, capacity: int = 0, **kwargs):
             super().__init__(**kwargs)
@@ -101,7 +105,9 @@ def preallocated_layer_class():
             held = self.keys.shape[-2] if self.keys.dim() == 4 else 0
             total = held + key_states.shape[-2]
             if not self._holds(self.keys) or total > self._buffers[0].shape[-2]:
-                room = max(self.capacity, total, 2 * self._buffers[0].shape[-2] if self._buffers else 0)
+                room = total + max(self.GROW, total // 4)
+                if total <= self.capacity:
+                    room = min(room, self.capacity)
                 fresh = []
                 for old, new in ((self.keys, key_states), (self.values, value_states)):
                     batch, heads, _, dim = new.shape

@@ -77,10 +77,11 @@ def cache_of(candidate: str) -> str:
 
 
 def _with_cache(model, candidate: str, capacity: int) -> dict:
-    from fedspear.cpu_kernels import preallocated_cache
+    """``generate``'s keywords for ``candidate``: its own (``generate_kwargs``) and its cache, chosen as the bench
+    chooses it (``fedspear.experiments.bench.decode_cache``)."""
+    from fedspear.experiments.bench import decode_cache
 
-    kv = preallocated_cache(model, capacity) if cache_of(candidate) == "fedspear" else None
-    return dict(generate_kwargs(candidate), **({"past_key_values": kv} if kv is not None else {}))
+    return dict(generate_kwargs(candidate), **decode_cache(model, cache_of(candidate), capacity))
 
 
 def _merged(model, candidate: str):

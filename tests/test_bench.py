@@ -136,17 +136,13 @@ def test_reset_peak_makes_a_later_peak_its_own():
 def test_decode_is_timed_step_by_step_without_the_prefill():
     """generate calls the step clock once per new token, after that token's forward: ``new`` times, so the decode
     rate spans ``new − 1`` steps and no prefill; a 1-token decode has no step to time."""
-    from transformers import LogitsProcessor, LogitsProcessorList
+    from transformers import LogitsProcessorList
 
     from fedspear.experiments.bench import StepClock, decode_tokens_per_s
     from fedspear.model import tiny_model
 
     model, tok = tiny_model(seed=0)
-
-    class Clock(StepClock, LogitsProcessor):
-        pass
-
-    clock = Clock()
+    clock = StepClock()
     ids = torch.randint(100, 1000, (3, 7))
     with torch.no_grad():
         model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=5, min_new_tokens=5,
@@ -157,3 +153,5 @@ def test_decode_is_timed_step_by_step_without_the_prefill():
     assert len(runs) == 2 and all(0 < r < float("inf") for r in runs)
     with pytest.raises(ValueError, match="at least 2 new tokens"):
         decode_tokens_per_s(model, tok, "fp32", batch=2, prompt=6, new=1)
+    with pytest.raises(ValueError, match="cache must be"):
+        decode_tokens_per_s(model, tok, "fp32", batch=2, prompt=6, new=4, cache="static")

@@ -147,7 +147,7 @@ def test_page_out_drops_a_mapped_tensors_pages_and_keeps_its_values():
     in anonymous memory are left alone (0 bytes advised)."""
     from transformers import AutoModelForCausalLM
 
-    from fedspear.memory import page_out, status
+    from fedspear.memory import file_mappings, page_out, status
     from fedspear.model_zoo import resolve_model_dir
 
     base = AutoModelForCausalLM.from_pretrained(resolve_model_dir("smollm2-135m"), dtype=torch.float32)
@@ -160,6 +160,9 @@ def test_page_out_drops_a_mapped_tensors_pages_and_keeps_its_values():
     assert status()["RssFile"] < resident - 0.8 * size_mb
     assert weight.double().sum().item() == before
     assert page_out(weight.clone()) == 0 and page_out(torch.ones(4)[::2]) == 0
+    mappings = file_mappings()  # read once, as store_linear_weights_bf16 does: the same advice; none without them
+    assert any(start <= weight.data_ptr() < end for start, end in mappings)
+    assert page_out(weight, mappings) == advised and page_out(weight, []) == 0
     del base, weight
     gc.collect()  # unmap the file: the kernel pages out only pages no other process maps (next test)
 
@@ -179,16 +182,18 @@ def test_bf16_loading_peaks_at_the_bf16_model_not_the_whole_file():
     script = (
         "import sys, threading, time\n"
         "import fedspear.memory as memory\n"
-        "if sys.argv[1] == 'off': memory.page_out = lambda tensor: 0\n"
+        "if sys.argv[1] == 'off': memory.page_out = lambda tensor, mappings=None: 0\n"
         "import torch, transformers\n"
         "from fedspear.model import load_base\n"
         "peak, done = [0.0], []\n"
         "def sample():\n"
         "    while not done:\n"
         "        peak[0] = max(peak[0], memory.status()['VmRSS']); time.sleep(0.005)\n"
-        "start = memory.status()['VmRSS']; sampler = threading.Thread(target=sample); sampler.start()\n"
-        "load_base('smollm2-135m', 'bf16', 'cpu')\n"
-        "done.append(1); sampler.join()\n"
+        "start = memory.status()['VmRSS']; sampler = threading.Thread(target=sample, daemon=True); sampler.start()\n"
+        "try:\n"
+        "    load_base('smollm2-135m', 'bf16', 'cpu')\n"
+        "finally:\n"
+        "    done.append(1); sampler.join()\n"
         "print(peak[0] - start)\n"
     )
     gc.collect()  # no mapping of the file left in this process: the kernel skips pages two processes map
@@ -196,7 +201,8 @@ def test_bf16_loading_peaks_at_the_bf16_model_not_the_whole_file():
     assert not any(target in line for line in Path("/proc/self/maps").read_text().splitlines())
     grown = {}
     for setting in ("off", "on"):
-        done = subprocess.run([sys.executable, "-c", script, setting], capture_output=True, text=True, check=True)
+        done = subprocess.run([sys.executable, "-c", script, setting], capture_output=True, text=True, timeout=300)
+        assert done.returncode == 0, done.stderr[-2000:]
         grown[setting] = float(done.stdout.split()[-1])
     # the fp32 linears' file pages: ≈ 400 MiB of the 513 MiB file
     assert grown["on"] < grown["off"] - 300, grown

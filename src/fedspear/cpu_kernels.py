@@ -160,8 +160,9 @@ def store_linear_weights_bf16(base) -> int:
     paged out as soon as it is converted (``fedspear.memory.page_out``), so the peak while loading is the bf16 model
     plus one fp32 tensor, not plus the whole file.
     """
-    from fedspear.memory import page_out
+    from fedspear.memory import file_mappings, page_out
 
+    mappings = file_mappings()  # the checkpoint's mapping stays while its tensors are converted
     out = base.get_output_embeddings()
     inp = base.get_input_embeddings()
     if out is not None and inp is not None and out.weight is inp.weight:
@@ -172,13 +173,13 @@ def store_linear_weights_bf16(base) -> int:
         if id(tensor) not in in_linears and tensor.dtype != torch.bfloat16:
             mapped = tensor.data
             tensor.data = mapped.clone()
-            page_out(mapped)
+            page_out(mapped, mappings)
     for module in linears:
         for tensor in (module.weight, module.bias):
             if tensor is not None and tensor.dtype != torch.bfloat16:
                 mapped = tensor.data
                 tensor.data = mapped.to(torch.bfloat16)
-                page_out(mapped)
+                page_out(mapped, mappings)
     return len(linears)
 
 

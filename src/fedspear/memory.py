@@ -66,8 +66,10 @@ def release_memory() -> float:
     return status().get("VmRSS", float("nan"))
 
 
-def _file_mapping_of(address: int) -> tuple[int, int] | None:
-    """The ``(start, end)`` of this process's file-backed mapping holding ``address``, from /proc/self/maps."""
+def file_mappings() -> list[tuple[int, int]]:
+    """The ``(start, end)`` address ranges of this process's file-backed mappings, from /proc/self/maps (empty when
+    it cannot be read). A caller paging out many tensors reads them once and passes them to :func:`page_out`."""
+    ranges = []
     try:
         with open("/proc/self/maps", encoding="utf-8", errors="replace") as maps:
             for line in maps:
@@ -75,31 +77,32 @@ def _file_mapping_of(address: int) -> tuple[int, int] | None:
                 if len(fields) < 6 or not fields[5].startswith("/"):
                     continue  # anonymous memory, heap, stack, [vdso] ...
                 start, end = (int(x, 16) for x in fields[0].split("-"))
-                if start <= address < end:
-                    return start, end
+                ranges.append((start, end))
     except OSError:
         pass
-    return None
+    return ranges
 
 
-def page_out(tensor) -> int:
+def page_out(tensor, mappings: list[tuple[int, int]] | None = None) -> int:
     """Ask the kernel to reclaim the resident pages under ``tensor`` when its data lie in a file mapping
     (``madvise(MADV_PAGEOUT)``, Linux ≥ 5.4); returns the bytes advised (page-aligned), 0 when the tensor is not
-    file-backed, not contiguous, or the kernel offers no such advice.
+    file-backed, not contiguous, or the kernel offers no such advice. ``mappings``: this process's file mappings
+    (:func:`file_mappings`), read afresh when not given.
 
     A hint, not a release: the tensor's values cannot change — clean file pages are dropped and read again from the
     file if touched, copied-on-write pages are kept; pages another process maps too are left (the kernel pages out
-    only pages mapped once). transformers loads a checkpoint as views of the mapped
-    safetensors file, and every file page read counts in this process's resident memory until the mapping goes: the
-    bf16 conversion of Qwen2.5-Coder-1.5B's fp32 export read 6.7 GiB of them beside the bf16 copies it built
-    (``store_linear_weights_bf16`` now pages out each weight once it is converted; issue 19 item 3).
+    only pages mapped once). transformers loads a checkpoint as views of the mapped safetensors file, and every file
+    page read counts in this process's resident memory until the mapping goes: the bf16 conversion of
+    Qwen2.5-Coder-1.5B's fp32 export read 6.7 GiB of them beside the bf16 copies it built
+    (``store_linear_weights_bf16`` pages out each weight once it is converted; issue 19 item 3).
     """
     import ctypes
 
     if not tensor.is_contiguous() or tensor.device.type != "cpu" or tensor.numel() == 0:
         return 0
     address = tensor.data_ptr()
-    mapping = _file_mapping_of(address)
+    mapping = next(((start, end) for start, end in (file_mappings() if mappings is None else mappings)
+                    if start <= address < end), None)
     if mapping is None:
         return 0
     page = os.sysconf("SC_PAGE_SIZE")

@@ -38,6 +38,7 @@ from typing import Any, Callable
 
 import numpy as np
 import torch
+from transformers import LogitsProcessor
 
 from ..config import RunConfig
 from ..memory import release_memory, reset_peak
@@ -209,10 +210,11 @@ def prefill_tokens_per_s(model, dtype_used: str, batch: int, length: int, second
     return batch * length / per_call
 
 
-class StepClock:
-    """A logits processor that only notes the time: ``generate`` calls it once per new token, right after that token's
-    forward, so ``times[-1] − times[0]`` spans the decode steps alone (the prefill's forward comes before the first
-    call; merging an adapter, tokenising and the like come before or after). On a GPU each step is waited for.
+class StepClock(LogitsProcessor):
+    """A logits processor (for ``generate``'s ``logits_processor`` list) that only notes the time: ``generate``
+    calls it once per new token, right after that token's forward, so ``times[-1] − times[0]`` spans the decode
+    steps alone (the prefill's forward comes before the first call; merging an adapter, tokenising and the like come
+    before or after). On a GPU each step is waited for.
 
     Subtracting a 1-token ``generate`` call's time from a ``new``-token one (the bench's method until 2026-11-26)
     mixes two prefills of several seconds into a decode of a few seconds: two runs of the same decode differed by up
@@ -235,6 +237,22 @@ class StepClock:
         return batch * (len(self.times) - 1) / max(1e-9, self.times[-1] - self.times[0])
 
 
+def decode_cache(model, cache: str, capacity: int) -> dict:
+    """``generate``'s cache keyword for ``cache``: ``{"past_key_values": ...}`` with fedspear generation's KV cache
+    written in place for up to ``capacity`` positions (``"fedspear"``, ``cpu_kernels.preallocated_cache``; empty when
+    the model's attention needs transformers' own), or nothing: transformers' default (``"transformers"``).
+
+    Raises:
+        ValueError: another ``cache``.
+    """
+    from ..cpu_kernels import preallocated_cache
+
+    if cache not in ("fedspear", "transformers"):
+        raise ValueError(f"cache must be 'fedspear' or 'transformers' (got {cache!r})")
+    kv = preallocated_cache(model, capacity) if cache == "fedspear" else None
+    return {"past_key_values": kv} if kv is not None else {}
+
+
 @torch.no_grad()
 def decode_tokens_per_s(model, tokenizer, dtype_used: str, batch: int, prompt: int, new: int, repeats: int = 3,
                         merge: bool | None = None, cache: str = "fedspear", **generate_kwargs) -> list[float]:
@@ -248,9 +266,8 @@ def decode_tokens_per_s(model, tokenizer, dtype_used: str, batch: int, prompt: i
     Raises:
         ValueError: ``new`` < 2 (no decode step to time).
     """
-    from transformers import LogitsProcessor, LogitsProcessorList
+    from transformers import LogitsProcessorList
 
-    from ..cpu_kernels import preallocated_cache
     from ..generation import merges_adapter
     from ..model import merged_adapter
 
@@ -260,15 +277,10 @@ def decode_tokens_per_s(model, tokenizer, dtype_used: str, batch: int, prompt: i
     ids = torch.randint(100, 1000, (batch, prompt), device=device)
     model.eval()
     merge = merges_adapter(model, dtype_used) if merge is None else merge
-
-    class Clock(StepClock, LogitsProcessor):
-        pass
-
     rates = []
     for _ in range(repeats + 1):
-        clock = Clock(device)
-        kv = preallocated_cache(model, prompt + new) if cache == "fedspear" else None
-        extra = dict(generate_kwargs, past_key_values=kv) if kv is not None else generate_kwargs
+        clock = StepClock(device)
+        extra = dict(generate_kwargs, **decode_cache(model, cache, prompt + new))
         with autocast(dtype_used, device.type), merged_adapter(model, enabled=merge):
             model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=new, min_new_tokens=new,
                            do_sample=False, pad_token_id=tokenizer.pad_token_id, use_cache=True,

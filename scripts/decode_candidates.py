@@ -164,6 +164,29 @@ def greedy_answers(model, tokenizer, dtype_used: str, candidate: str, contexts: 
     return out[:, width:].tolist()
 
 
+def adapter_model(name: str, dtype: str):
+    """fedspear's model on the CPU with a non-zero LoRA adapter (r 16, all seven projections, B ~ N(0, 0.02²), seed
+    0), so the LoRA path changes the answers → (peft model, tokenizer, dtype used)."""
+    from fedspear.model import LoraSettings, add_lora, load_base
+
+    base, tokenizer, dtype_used = load_base(name, dtype, "cpu")
+    model = add_lora(base, LoraSettings())
+    model.eval()
+    with torch.no_grad():
+        gen = torch.Generator().manual_seed(0)
+        for pname, p in model.named_parameters():
+            if "lora_B" in pname:
+                p.copy_(torch.randn(p.shape, generator=gen) * 0.02)
+    return model, tokenizer, dtype_used
+
+
+def step_weight_bytes(model) -> int:
+    """Bytes of the weights a decode step multiplies with: every parameter but an untied input embedding (a lookup)."""
+    lookup = model.get_input_embeddings().weight
+    lookup = None if lookup is model.get_output_embeddings().weight else lookup
+    return sum(p.numel() * p.element_size() for p in model.parameters() if p is not lookup)
+
+
 def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="smollm2-135m")
@@ -179,20 +202,10 @@ def main(argv: list[str] | None = None) -> dict:
 
     from fedspear.experiments.bench import machine, memory_bandwidth
     from fedspear.interaction import render
-    from fedspear.model import LoraSettings, add_lora, load_base
     from fedspear.tasks import arc_challenge
 
-    base, tokenizer, dtype_used = load_base(args.model, args.dtype, "cpu")
-    model = add_lora(base, LoraSettings())
-    model.eval()
-    with torch.no_grad():  # a non-zero adapter, so the LoRA path changes the answers
-        gen = torch.Generator().manual_seed(0)
-        for name, p in model.named_parameters():
-            if "lora_B" in name:
-                p.copy_(torch.randn(p.shape, generator=gen) * 0.02)
-    lookup = model.get_input_embeddings().weight
-    lookup = None if lookup is model.get_output_embeddings().weight else lookup
-    weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters() if p is not lookup)
+    model, tokenizer, dtype_used = adapter_model(args.model, args.dtype)
+    weight_bytes = step_weight_bytes(model)
     bandwidth = memory_bandwidth(256, 1.5)
     out = {"machine": machine(), "model": args.model, "dtype": dtype_used, "bandwidth_bytes_per_s": bandwidth,
            "weight_bytes": weight_bytes, "prompt": args.prompt, "new": args.new, "rates": {}, "check": {}}

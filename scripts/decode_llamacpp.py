@@ -5,7 +5,7 @@ The pattern TRL and OpenRLHF use with vLLM on GPUs: rollouts by an inference eng
 adapter handed to the engine. This script measures what the engine would buy before anything is built on it:
 
 1. the model is converted to GGUF once (llama.cpp's ``convert_hf_to_gguf.py``; f32 for fp32, bf16 for bf16) and a
-   non-zero LoRA adapter (r 16, all seven projections, B ~ N(0, 0.02²), seed 0: ``decode_candidates.py``'s) is
+   non-zero LoRA adapter (``decode_candidates.adapter_model``: r 16, all seven projections, B ~ N(0, 0.02²)) is
    saved by peft and converted with ``convert_lora_to_gguf.py`` — what a client would do once per round;
 2. greedy answers (16 new tokens) to the first ``--check`` ARC-Challenge test prompts, llama.cpp with the adapter
    against fedspear's torch path (``decode_candidates.greedy_answers``, eager), compared up to the end of turn;
@@ -44,24 +44,8 @@ sys.path.insert(0, str(ROOT / "src"))
 sys.path.insert(0, str(ROOT / "scripts"))
 
 import numpy as np  # noqa: E402
-import torch  # noqa: E402
 
 _QUIET = None  # llama.cpp's log callback, kept alive
-
-
-def adapter_model(name: str, dtype: str):
-    """fedspear's model with ``decode_candidates``' non-zero adapter → (peft model, tokenizer, dtype used)."""
-    from fedspear.model import LoraSettings, add_lora, load_base
-
-    base, tokenizer, dtype_used = load_base(name, dtype, "cpu")
-    model = add_lora(base, LoraSettings())
-    model.eval()
-    with torch.no_grad():
-        gen = torch.Generator().manual_seed(0)
-        for pname, p in model.named_parameters():
-            if "lora_B" in pname:
-                p.copy_(torch.randn(p.shape, generator=gen) * 0.02)
-    return model, tokenizer, dtype_used
 
 
 def convert(llama_cpp: Path, work: Path, model, name: str, outtype: str) -> tuple[Path, Path]:
@@ -169,7 +153,7 @@ def main(argv: list[str] | None = None) -> dict:
     if not (args.llama_cpp / "convert_lora_to_gguf.py").exists():
         parser.error(f"{args.llama_cpp} holds no convert_lora_to_gguf.py: give llama.cpp's source tree")
 
-    from decode_candidates import greedy_answers
+    from decode_candidates import adapter_model, greedy_answers, step_weight_bytes
 
     from fedspear.experiments.bench import decode_tokens_per_s, machine, memory_bandwidth
     from fedspear.interaction import render
@@ -179,9 +163,7 @@ def main(argv: list[str] | None = None) -> dict:
     outtype = {"fp32": "f32", "bf16": "bf16"}[dtype_used]
     args.work_dir.mkdir(parents=True, exist_ok=True)
     base_gguf, adapter = convert(args.llama_cpp, args.work_dir, model, args.model, outtype)
-    lookup = model.get_input_embeddings().weight
-    lookup = None if lookup is model.get_output_embeddings().weight else lookup
-    weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters() if p is not lookup)
+    weight_bytes = step_weight_bytes(model)
     bandwidth = memory_bandwidth(256, 1.5)
     bound = lambda batch: batch * bandwidth / weight_bytes  # noqa: E731
     kv_f32 = dtype_used == "fp32"

@@ -21,7 +21,6 @@ Cells are read from ``<grid>/cells/<task>-<algorithm>-s<seed>/metrics.jsonl``.
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import statistics
 import sys
@@ -33,6 +32,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "src"))
 
 from fedspear.experiments.compare.grid import NAMES  # noqa: E402
+from fedspear.rundir import RunDir  # noqa: E402
 
 PHASES = ("generate_initial", "generate_revisions", "train")
 
@@ -69,8 +69,7 @@ def read_rounds(grid: Path, exclude: list[str]) -> dict[str, list[dict]]:
     seen_rounds = set()
     for cell in cell_dirs:
         _task, algorithm, _seed = cell.name.rsplit("-", 2)
-        for line in (cell / "metrics.jsonl").read_text(encoding="utf-8").splitlines():
-            record = json.loads(line)
+        for record in RunDir(cell).records():
             if record.get("round", 0) < 1 or "seconds" not in record:
                 continue
             seen_rounds.add((cell.name, record["round"]))

@@ -32,7 +32,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "src"))
 
 from fedspear.experiments.compare.grid import NAMES  # noqa: E402
-from fedspear.rundir import RunDir  # noqa: E402
+from fedspear.rundir import RunDir, training_seconds  # noqa: E402
 
 PHASES = ("generate_initial", "generate_revisions", "train")
 
@@ -82,11 +82,6 @@ def read_rounds(grid: Path, exclude: list[str]) -> dict[str, list[dict]]:
     return kept
 
 
-def round_seconds(record: dict) -> float:
-    """Seconds of a round without its central evaluation."""
-    return record["seconds"]["round"] - record["seconds"].get("evaluate", 0.0)
-
-
 def welch(a: list[float], b: list[float]) -> tuple[float, float, float]:
     """mean(a) − mean(b) with a 95% Welch interval → ``(diff, low, high)``; nan bounds when a side has < 2 values."""
     diff = statistics.fmean(a) - statistics.fmean(b)
@@ -106,7 +101,7 @@ def report(kept: dict[str, list[dict]], reference: str) -> str:
     if reference not in kept:
         raise SystemExit(f"--reference {reference}: no rounds of it are kept (algorithms: {', '.join(kept)})")
     order = [reference, *(a for a in kept if a != reference)]
-    secs = {a: [round_seconds(r) for r in kept[a]] for a in order}
+    secs = {a: [training_seconds(r) for r in kept[a]] for a in order}
     ref_mean = statistics.fmean(secs[reference])
     ref_name = NAMES.get(reference, reference)
     head = "| | " + " | ".join(NAMES.get(a, a) for a in order) + " |"

@@ -48,7 +48,7 @@ def test_exclusions_and_evaluation_are_left_out(costs, tmp_path):
     write_cell(tmp_path, "arc_challenge-grpo-s0", [(1.0, 0.0)])  # excluded whole (another machine kind)
     kept = costs.read_rounds(tmp_path, ["arc_challenge-spear-s0:3", "arc_challenge-grpo-s0"])
     assert sorted(kept) == ["opsd_authors", "spear"]
-    assert [costs.round_seconds(r) for r in kept["spear"]] == [100.0, 150.0, 80.0]
+    assert [costs.training_seconds(r) for r in kept["spear"]] == [100.0, 150.0, 80.0]
     text = costs.report(kept, "spear")
     assert "| rounds counted | 3 | 2 |" in text
     assert "| s / round, mean (median) | 110 (100) | 65 (65) |" in text

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from fedspear.config import ConfigError, RunConfig
-from fedspear.rundir import RunDir, RunDirError, initial_accuracy, initial_samples
+from fedspear.rundir import RunDir, RunDirError, initial_accuracy, initial_samples, training_seconds
 
 A = {"base_model.model.layer.lora_A.weight": np.arange(6, dtype=np.float32).reshape(2, 3)}
 
@@ -76,3 +76,11 @@ def test_initial_accuracy_counts_first_answers_not_prompts():
     assert initial_samples(spear_old) == 8 and initial_accuracy(spear_old) == 5 / 8
     assert initial_samples(rltf_old) == 8 and initial_accuracy(rltf_old) == 0.25
     assert initial_accuracy({"prompts": 0, "initial_samples": 0, "initial_correct": 0}) is None  # no client answered
+
+
+def test_training_seconds_leave_out_the_central_evaluation():
+    """A round's cost is its wall-clock without the server's evaluation: 1,000 s with 874 s of evaluation is 126 s;
+    a round that did not evaluate records 0.0 there, or (older records) no key."""
+    assert training_seconds({"seconds": {"round": 1000.0, "evaluate": 874.0, "train": 90.0}}) == 126.0
+    assert training_seconds({"seconds": {"round": 109.5, "evaluate": 0.0}}) == 109.5
+    assert training_seconds({"seconds": {"round": 74.0}}) == 74.0

@@ -52,6 +52,13 @@ def initial_accuracy(record: dict[str, Any]) -> float | None:
     return record.get("initial_correct", 0) / n if n > 0 else None
 
 
+def training_seconds(record: dict[str, Any]) -> float:
+    """Wall-clock seconds of a round without its central evaluation (``seconds.round − seconds.evaluate``): the
+    clients' work, aggregation and Flower's overhead — what a round of the algorithm costs (``metrics.jsonl``
+    record; ``evaluate`` is 0 or absent in rounds that did not evaluate)."""
+    return record["seconds"]["round"] - record["seconds"].get("evaluate", 0.0)
+
+
 class RunDirError(ValueError):
     """A run directory is damaged beyond repair (the message says what is wrong and what to do)."""
 

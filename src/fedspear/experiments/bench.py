@@ -406,7 +406,7 @@ def spear_round(model: str, dtype: str, quick: bool, output_dir: str | None, rou
     """
 
     from ..fl.simulation import simulate
-    from ..rundir import RunDir
+    from ..rundir import RunDir, training_seconds
 
     out_dir = output_dir or tempfile.mkdtemp(prefix="fedspear-bench-")
     cfg = RunConfig(
@@ -426,14 +426,14 @@ def spear_round(model: str, dtype: str, quick: bool, output_dir: str | None, rou
     records = RunDir(cfg.output_dir).records()[1:]
 
     def per_client_round(r: dict) -> float:
-        return (r["seconds"]["round"] - r["seconds"]["evaluate"]) / max(1, r["clients_ok"])
+        return training_seconds(r) / max(1, r["clients_ok"])
 
     each = [per_client_round(r) for r in records]
     median = statistics.median_low(each)
     r1 = records[each.index(median)]
     sec = r1["seconds"]
     per_client = {k: sec[k] / max(1, r1["clients_ok"]) for k in ("generate_initial", "generate_revisions", "train")}
-    round_wo_eval = sec["round"] - sec["evaluate"]
+    round_wo_eval = training_seconds(r1)
     return {
         "config": {k: getattr(cfg, k) for k in ("num_clients", "clients_per_round", "rollouts_per_round",
                                                 "max_revisions", "max_new_tokens", "local_steps", "batch_size")},
@@ -444,8 +444,7 @@ def spear_round(model: str, dtype: str, quick: bool, output_dir: str | None, rou
         "seconds_per_client_round_each": each,
         "seconds_per_client_phase": per_client,
         "flower_overhead_share": sec["flower_overhead"] / max(1e-9, round_wo_eval),
-        "flower_overhead_share_each": [r["seconds"]["flower_overhead"] / max(1e-9, r["seconds"]["round"]
-                                                                             - r["seconds"]["evaluate"])
+        "flower_overhead_share_each": [r["seconds"]["flower_overhead"] / max(1e-9, training_seconds(r))
                                        for r in records],
         "peak_rss_mb": records[-1]["peak_rss_mb"],
         "rss_after_round_mb": records[-1].get("rss_after_round_mb", {}),
@@ -482,7 +481,7 @@ def scaling(model: str = "smollm2-135m", dtype: str = "auto", quick: bool = Fals
 
     from ..fl.simulation import simulate
     from ..model import get_adapter, resolve_device
-    from ..rundir import RunDir
+    from ..rundir import RunDir, training_seconds
     from ..worker import Worker
 
     axes = QUICK_SCALING_AXES if quick else SCALING_AXES
@@ -531,7 +530,7 @@ def scaling(model: str = "smollm2-135m", dtype: str = "auto", quick: bool = Fals
         r2 = RunDir(run_cfg.output_dir).records()[-1]
         sec = r2["seconds"]
         rows.append({"value": value, "seconds": {**{k: sec[k] for k in (*phases, "aggregate", "flower_overhead")},
-                                                 "round": sec["round"] - sec["evaluate"]},
+                                                 "round": training_seconds(r2)},
                      "counters": {"tokens_generated": r2["tokens_generated"],
                                   "revisions_attempted": r2["revisions_attempted"]}})
     out["axes"]["clients_per_round"] = rows

@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from ...report import epsilon_text
-from ...rundir import RunDir, initial_accuracy, initial_samples
+from ...rundir import RunDir, initial_accuracy, initial_samples, training_seconds
 from .grid import NAMES, Cell, Grid
 from .plots import plot_comparison
 from .stats import item_mean_ci, item_paired_diff, mean_std, paired_ci, paired_gain
@@ -27,7 +27,7 @@ def cell_summary(cell: Cell) -> dict[str, Any] | None:
         return None
     first = records[0]["eval"]
     last = next(r for r in reversed(records) if r.get("eval"))
-    train_seconds = [r["seconds"]["round"] - r["seconds"].get("evaluate", 0.0) for r in rounds]
+    train_seconds = [training_seconds(r) for r in rounds]
     privacy = ({k: rounds[-1][k] for k in ("dp_epsilon", "dp_delta", "dp_noise_multiplier", "dp_clip_norm",
                                            "dp_releases")} if "dp_epsilon" in rounds[-1] else None)
     return {

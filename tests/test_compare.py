@@ -200,15 +200,20 @@ def load_grid_roundtrip(grid: Grid, tmp_path: Path) -> Grid:
 
 
 def test_a_grid_toml_written_before_the_partitioner_key_matches_its_preset(tmp_path, monkeypatch):
-    """The committed cpu-qwen1.5b grid.toml has no ``partitioner``: it ran under the old rule, which the preset now
-    pins, so resuming or extending it is allowed; a grid under the new default is refused."""
+    """A grid.toml written before the ``partitioner`` key existed (the cpu-qwen1.5b grid of 2026-11-25 was one: the
+    committed one without that line) ran under the old rule, which the preset now pins, so resuming or extending it
+    is allowed; a grid under the new default is refused."""
+    import re
+
     import fedspear.experiments.compare.grid as compare_module
 
     committed = Path(__file__).resolve().parents[1] / "docs" / "results" / "cpu-qwen1.5b" / "grid.toml"
+    old_text = re.sub(r"(?m)^partitioner = .*\n", "", committed.read_text(encoding="utf-8"))
+    assert "partitioner" not in old_text
     out = tmp_path / "grid"
     out.mkdir()
-    (out / "grid.toml").write_text(committed.read_text(encoding="utf-8"), encoding="utf-8")
-    grid = Grid(**{**PRESETS["cpu-qwen1.5b"].to_dict(), "seeds": [0, 1]})
+    (out / "grid.toml").write_text(old_text, encoding="utf-8")
+    grid = PRESETS["cpu-qwen1.5b"]
     assert grid.base["partitioner"] == "dirichlet"
     calls = []
     monkeypatch.setattr(compare_module.subprocess, "call", lambda *a, **k: calls.append(a) or 1)
@@ -233,10 +238,13 @@ def test_opsd_authors_is_a_row_of_its_own(tmp_path):
     assert load_grid_roundtrip(grid, tmp_path).algorithms == ["opsd", "opsd_authors"]
 
 
-def test_a_finished_grid_gains_a_seed_without_rerunning_its_cells(tmp_path, monkeypatch):
-    """Issue 17 (a third ARC seed): the committed two-seed cpu-qwen1.5b results, extended to seeds 0–2, skip their
-    10 finished cells and start the first seed-2 cell; as the copies hold no adapters, that cell evaluates its own
-    round 0 (no ``round0_from``). Removing a seed is still refused."""
+@pytest.mark.parametrize("precision", ["bf16", "fp32"])
+def test_a_finished_grid_gains_a_seed_without_rerunning_its_cells(tmp_path, monkeypatch, precision):
+    """Issue 17 (a third ARC seed, then any further one): the committed three-seed cpu-qwen1.5b results, extended to
+    seeds 0–3, skip their 15 finished cells and start the first seed-3 cell. Its round 0 is lent by the first
+    finished cell that can lend it: the committed cells of 2026-11-25 cannot (no ``config.toml``), GRPO seed 0 of
+    2026-11-27 can (``config.toml`` and ``start_identity``; bf16 on CPU), but only where ``auto`` resolves to its
+    precision: under fp32 the new cell evaluates its own round 0. Removing a seed is still refused."""
     import shutil
 
     import fedspear.experiments.compare.grid as compare_module
@@ -246,14 +254,18 @@ def test_a_finished_grid_gains_a_seed_without_rerunning_its_cells(tmp_path, monk
     shutil.copytree(committed, out, ignore=shutil.ignore_patterns("plots", "*.md", "*.json"))
     calls = []
     monkeypatch.setattr(compare_module.subprocess, "call", lambda *a, **k: calls.append(a[0]) or 1)
-    grid = Grid(**{**PRESETS["cpu-qwen1.5b"].to_dict(), "seeds": [0, 1, 2]})
+    monkeypatch.setattr(compare_module, "resolve_dtype", lambda *a: precision)  # this machine's `auto`, pinned
+    grid = Grid(**{**PRESETS["cpu-qwen1.5b"].to_dict(), "seeds": [0, 1, 2, 3]})
     events = []
-    with pytest.raises(RuntimeError, match="arc_challenge-spear-s2 failed"):
+    with pytest.raises(RuntimeError, match="arc_challenge-spear-s3 failed"):
         compare_module.run_grid(grid, out, on_event=lambda kind, cell, _: events.append((kind, cell.name)))
-    assert [e for e in events if e[0] == "skip"] == [("skip", c.name) for c in grid.cells(out)[:10]]
-    assert events[-1] == ("start", "arc_challenge-spear-s2") and len(calls) == 1
-    assert load_grid(out / "grid.toml").seeds == [0, 1, 2]
-    assert "\nround0_from =" not in (out / "cells" / "arc_challenge-spear-s2" / "cell.toml").read_text()
+    assert [e for e in events if e[0] == "skip"] == [("skip", c.name) for c in grid.cells(out)[:15]]
+    assert events[-1] == ("start", "arc_challenge-spear-s3") and len(calls) == 1
+    assert load_grid(out / "grid.toml").seeds == [0, 1, 2, 3]
+    cell_toml = (out / "cells" / "arc_challenge-spear-s3" / "cell.toml").read_text()
+    lender = f'\nround0_from = "{out / "cells" / "arc_challenge-grpo-s0"}"'
+    assert (lender in cell_toml) == (precision == "bf16")
+    assert cell_toml.count("\nround0_from =") == (precision == "bf16")
     with pytest.raises(ConfigError, match=r"another grid \(differs in: seeds\)"):
         compare_module.run_grid(Grid(**{**grid.to_dict(), "seeds": [0, 2]}), out)
 

@@ -229,7 +229,7 @@ _preset("cpu-small", Grid(
 _preset("cpu-qwen1.5b", Grid(
     tasks=["arc_challenge"],
     algorithms=list(ALGORITHMS),
-    seeds=[0, 1, 2],  # seed 2 added by issue 17 (the committed results' grid.toml, seeds 0–1, is extended)
+    seeds=[0, 1, 2],  # seed 2 added by issue 17, which extended the grid of seeds 0–1 (docs/results/cpu-qwen1.5b)
     base=dict(model="qwen2.5-coder-1.5b", rounds=10, num_clients=10, clients_per_round=2, rollouts_per_round=4,
               max_revisions=1, local_steps=2, batch_size=4, lr=2e-4, eval_size=0, eval_gen_size=100,
               eval_every=10, partitioner="dirichlet"),

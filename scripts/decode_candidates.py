@@ -14,11 +14,11 @@ against the bandwidth bound (batch × copy bandwidth ÷ bytes of the weights a s
 - ``frozen``: the same with inductor's ``freezing`` (its CPU inference setting: weights become constants of the
   graph and are pre-packed for oneDNN). The adapter is frozen into the graph too, so a client would recompile after
   every adapter update;
-- ``prealloc``: eager, with fedspear's KV cache written in place (``fedspear.cpu_kernels.preallocated_cache``; what
-  fedspear's generation uses) instead of concatenated at every step;
+- ``prealloc``: eager, with fedspear's KV cache written in place (``fedspear.runtime.cpu_kernels.preallocated_cache``;
+  what fedspear's generation uses) instead of concatenated at every step;
 - ``merged``: eager, with the LoRA adapter merged into the base weights for the call
-  (``fedspear.model.merged_adapter``): the 210 LoRA branches of SmolLM2 (5–6 small ops each) disappear from a decode
-  step. With bf16 weights the merged update is rounded to bf16, i.e. quantised (compare its greedy answers).
+  (``fedspear.runtime.model.merged_adapter``): the 210 LoRA branches of SmolLM2 (5–6 small ops each) disappear from a
+  decode step. With bf16 weights the merged update is rounded to bf16, i.e. quantised (compare its greedy answers).
 
 ``--profile``: one more decode run per candidate at the largest batch under ``torch.profiler`` (from the first new
 token on: the prefill is not profiled), printing the ops that take most of a step (self CPU time, top 15), to see
@@ -85,8 +85,9 @@ def _with_cache(model, candidate: str, capacity: int) -> dict:
 
 
 def _merged(model, candidate: str):
-    """The ``merged`` candidate's context: ``fedspear.model.merged_adapter`` (base weights put back exactly after)."""
-    from fedspear.model import merged_adapter
+    """The ``merged`` candidate's context: ``fedspear.runtime.model.merged_adapter`` (base weights put back exactly
+    after)."""
+    from fedspear.runtime.model import merged_adapter
 
     return merged_adapter(model, enabled=candidate == "merged")
 
@@ -99,7 +100,7 @@ def decode_rate(model, tokenizer, dtype_used: str, candidate: str, batch: int, p
     import statistics
 
     from fedspear.experiments.bench import decode_tokens_per_s
-    from fedspear.model import autocast
+    from fedspear.runtime.model import autocast
 
     ids = torch.randint(100, 1000, (batch, prompt))
     t0 = time.perf_counter()
@@ -122,7 +123,7 @@ def decode_profile(model, tokenizer, dtype_used: str, candidate: str, batch: int
     from torch.profiler import ProfilerActivity, profile
     from transformers import LogitsProcessor, LogitsProcessorList
 
-    from fedspear.model import autocast
+    from fedspear.runtime.model import autocast
 
     prof = profile(activities=[ProfilerActivity.CPU])
 
@@ -149,7 +150,7 @@ def decode_profile(model, tokenizer, dtype_used: str, candidate: str, batch: int
 
 @torch.no_grad()
 def greedy_answers(model, tokenizer, dtype_used: str, candidate: str, contexts: list[list[int]], new: int) -> list:
-    from fedspear.model import autocast
+    from fedspear.runtime.model import autocast
 
     width = max(map(len, contexts))
     ids = torch.full((len(contexts), width), tokenizer.pad_token_id)
@@ -167,7 +168,7 @@ def greedy_answers(model, tokenizer, dtype_used: str, candidate: str, contexts: 
 def adapter_model(name: str, dtype: str):
     """fedspear's model on the CPU with a non-zero LoRA adapter (r 16, all seven projections, B ~ N(0, 0.02²), seed
     0), so the LoRA path changes the answers → (peft model, tokenizer, dtype used)."""
-    from fedspear.model import LoraSettings, add_lora, load_base
+    from fedspear.runtime.model import LoraSettings, add_lora, load_base
 
     base, tokenizer, dtype_used = load_base(name, dtype, "cpu")
     model = add_lora(base, LoraSettings())

@@ -50,7 +50,7 @@ _QUIET = None  # llama.cpp's log callback, kept alive
 
 def convert(llama_cpp: Path, work: Path, model, name: str, outtype: str) -> tuple[Path, Path]:
     """The base model's GGUF (converted once, kept in ``work``) and the adapter's (converted on every call)."""
-    from fedspear.model_zoo import resolve_model_dir
+    from fedspear.runtime.model_zoo import resolve_model_dir
 
     source = str(resolve_model_dir(name))
     base = work / f"{name}-{outtype}.gguf"

@@ -35,7 +35,7 @@ FIELDS = ("VmRSS", "RssAnon", "RssFile", "RssShmem")
 
 def status() -> dict[str, float]:
     """This process's memory by kind, MiB (the fields of ``FIELDS``)."""
-    from fedspear.memory import status as memory_status
+    from fedspear.runtime.memory import status as memory_status
 
     return {key: value for key, value in memory_status().items() if key in FIELDS}
 
@@ -92,8 +92,8 @@ def main(argv: list[str] | None = None) -> dict:
 
     from fedspear import progress
     from fedspear.config import RunConfig
-    from fedspear.memory import peak_rss_mb, release_memory
-    from fedspear.model import get_adapter
+    from fedspear.runtime.memory import peak_rss_mb, release_memory
+    from fedspear.runtime.model import get_adapter
     from fedspear.worker import Worker
 
     sampler.mark("load")

@@ -12,8 +12,8 @@ final line. This script measures both, on 100 fixed test items per task:
 
 ``generate`` draws the items with ``random.Random(seed).sample`` (seed 0) from the task's evaluation split as
 shipped, renders each prompt and generates greedily exactly as the central evaluation does
-(``fedspear.interaction.render`` + ``fedspear.generation.generate(..., do_sample=False)``, the task's prompt, the
-model's chat template, dtype "auto"), at a large budget (MathMCQA 1024, StrategyQA 512 new tokens), and writes the
+(``fedspear.interaction.render`` + ``fedspear.runtime.generation.generate(..., do_sample=False)``, the task's prompt,
+the model's chat template, dtype "auto"), at a large budget (MathMCQA 1024, StrategyQA 512 new tokens), and writes the
 token ids to ``docs/results/parse-rates/generations/<model>__<task>.jsonl`` (one line per item, appended batch by
 batch, so an interrupted run resumes at the next batch).
 
@@ -86,9 +86,9 @@ def cmd_generate(args: argparse.Namespace) -> None:
     import torch
 
     from fedspear.experiments.bench import machine
-    from fedspear.generation import generate
+    from fedspear.runtime.generation import generate
     from fedspear.interaction import render
-    from fedspear.model import load_base
+    from fedspear.runtime.model import load_base
 
     task = get_task(args.task)
     budget = args.max_new_tokens or LARGE_BUDGET[args.task]
@@ -141,7 +141,7 @@ def analyse(model: str, task_name: str) -> dict | None:
     """Per-budget cut-off, parse and accuracy figures for one stored generation file (None if absent/partial)."""
     from transformers import AutoTokenizer
 
-    from fedspear.model_zoo import resolve_model_dir
+    from fedspear.runtime.model_zoo import resolve_model_dir
 
     path = generation_path(model, task_name)
     if not path.exists():

@@ -21,7 +21,7 @@ def pytest_collection_modifyitems(config, items):
 @pytest.fixture(scope="session")
 def tiny():
     """``(peft model, tokenizer)``: a randomly initialised 2-layer Llama wrapped with a fresh LoRA adapter."""
-    from fedspear.model import LoraSettings, add_lora, tiny_model
+    from fedspear.runtime.model import LoraSettings, add_lora, tiny_model
 
     base, tokenizer = tiny_model(seed=0)
     return add_lora(base, LoraSettings(r=4, alpha=8, dropout=0.0), seed=0), tokenizer

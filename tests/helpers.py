@@ -16,7 +16,7 @@ import torch
 
 from fedspear.worker import Worker
 from fedspear.config import RunConfig
-from fedspear.model import get_adapter, set_adapter
+from fedspear.runtime.model import get_adapter, set_adapter
 
 if TYPE_CHECKING:
     from flwr.app import Message

@@ -9,7 +9,7 @@ import pytest
 from fedspear.algorithms import ALGORITHMS, feedback_sft, grpo, opsd, rltf_sd, spear
 from fedspear.worker import Worker
 from fedspear.config import ConfigError, RunConfig
-from fedspear.model import get_adapter
+from fedspear.runtime.model import get_adapter
 from fedspear.tasks import get_task
 
 from helpers import Alternate, make_worker, nonzero_start

@@ -13,7 +13,7 @@ def test_bench_flop_counts_by_hand():
     """The tiny Llama (hidden 64, MLP 128, 2 layers, 4 heads / 2 KV heads of 16, tied 49152-row embedding) with
     LoRA r 4 on all seven projections, counted by hand."""
     from fedspear.experiments.bench import flop_counts, prefill_flops, train_flops
-    from fedspear.model import LoraSettings, add_lora, tiny_model
+    from fedspear.runtime.model import LoraSettings, add_lora, tiny_model
 
     base, tok = tiny_model(seed=0)
     assert len(tok) == 49152
@@ -145,7 +145,7 @@ def test_machine_marks_a_commit_whose_package_files_were_changed(monkeypatch, st
 def test_reset_peak_makes_a_later_peak_its_own():
     """After a large allocation is freed, ``reset_peak`` brings the reported peak down to the present size, so the
     rounds' server (in the bench's own process) is not charged with the throughput measurements' peak."""
-    from fedspear.memory import peak_rss_mb, release_memory, reset_peak, status
+    from fedspear.runtime.memory import peak_rss_mb, release_memory, reset_peak, status
 
     block = np.ones(400 * 2**20 // 8)  # 400 MiB, touched
     high = peak_rss_mb()
@@ -162,7 +162,7 @@ def test_decode_is_timed_step_by_step_without_the_prefill():
     from transformers import LogitsProcessorList
 
     from fedspear.experiments.bench import StepClock, decode_tokens_per_s
-    from fedspear.model import tiny_model
+    from fedspear.runtime.model import tiny_model
 
     model, tok = tiny_model(seed=0)
     clock = StepClock()

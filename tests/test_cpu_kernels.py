@@ -1,5 +1,5 @@
 """The CPU speed patches change nothing but speed and rounding: dropout's distribution, bf16 weights, decode
-attention (fedspear.cpu_kernels)."""
+attention (fedspear.runtime.cpu_kernels)."""
 
 from __future__ import annotations
 
@@ -19,7 +19,7 @@ def test_fast_dropout_has_dropouts_distribution():
     """FastDropout: zeroes a share p of elements (within 5 σ), scales the rest so the mean is kept (1/(1 − p_eff),
     p_eff = round(p·2¹⁶)/2¹⁶), is the identity in eval mode or at p = 0, repeats under the same seed, passes the
     gradient through the same mask, and draws independent masks for odd sizes too."""
-    from fedspear.cpu_kernels import FastDropout
+    from fedspear.runtime.cpu_kernels import FastDropout
 
     n, p = 400_001, 0.1
     drop = FastDropout(p).train()
@@ -45,7 +45,7 @@ def test_fast_dropout_has_dropouts_distribution():
 
 
 def test_add_lora_draws_dropout_with_fast_dropout():
-    from fedspear.model import LoraSettings, add_lora, tiny_model
+    from fedspear.runtime.model import LoraSettings, add_lora, tiny_model
 
     kinds = lambda m: {type(d).__name__ for mod in m.modules() if isinstance(getattr(mod, "lora_dropout", None),
                                                                              torch.nn.ModuleDict)
@@ -57,8 +57,8 @@ def test_add_lora_draws_dropout_with_fast_dropout():
 def test_bf16_linear_weights_give_autocasts_outputs_and_gradients_bitwise():
     """Storing the linears' weights in bf16 is what bf16 autocast computes with anyway: same logits, same LoRA
     gradients, bit for bit; embeddings stay fp32 and the tied output embedding gets its own bf16 copy."""
-    from fedspear.cpu_kernels import store_linear_weights_bf16
-    from fedspear.model import LoraSettings, add_lora, autocast, tiny_model
+    from fedspear.runtime.cpu_kernels import store_linear_weights_bf16
+    from fedspear.runtime.model import LoraSettings, add_lora, autocast, tiny_model
 
     models = []
     for stored in (False, True):
@@ -94,7 +94,7 @@ def test_decode_attention_is_sdpa_in_fp32_for_one_query_row():
 
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
-    from fedspear.cpu_kernels import decode_attention_forward
+    from fedspear.runtime.cpu_kernels import decode_attention_forward
 
     torch.manual_seed(0)
     module = SimpleNamespace(num_key_value_groups=3, is_causal=True, training=False)
@@ -122,9 +122,9 @@ def test_models_decode_with_the_fp32_decode_attention_as_with_sdpa(tiny, arc_ite
     """The loaded model uses the decode attention; greedy answers and first-step logits equal plain SDPA's."""
     import copy
 
-    from fedspear.cpu_kernels import DECODE_ATTENTION
-    from fedspear.generation import generate
-    from fedspear.model import load_base
+    from fedspear.runtime.cpu_kernels import DECODE_ATTENTION
+    from fedspear.runtime.generation import generate
+    from fedspear.runtime.model import load_base
 
     assert load_base("tiny-random", "fp32")[0].config._attn_implementation == DECODE_ATTENTION
     model, tok = tiny
@@ -147,8 +147,8 @@ def test_page_out_drops_a_mapped_tensors_pages_and_keeps_its_values():
     in anonymous memory are left alone (0 bytes advised)."""
     from transformers import AutoModelForCausalLM
 
-    from fedspear.memory import file_mappings, page_out, status
-    from fedspear.model_zoo import resolve_model_dir
+    from fedspear.runtime.memory import file_mappings, page_out, status
+    from fedspear.runtime.model_zoo import resolve_model_dir
 
     base = AutoModelForCausalLM.from_pretrained(resolve_model_dir("smollm2-135m"), dtype=torch.float32)
     weight = base.get_input_embeddings().weight.data  # [49152, 576] fp32, 108 MiB of the file
@@ -175,16 +175,16 @@ def test_bf16_loading_peaks_at_the_bf16_model_not_the_whole_file():
     import subprocess
     import sys
 
-    from fedspear.model_zoo import resolve_model_dir
+    from fedspear.runtime.model_zoo import resolve_model_dir
 
     # resident memory sampled every 5 ms (the kernel's high-water mark misses pages reclaimed by a page-out, and a
     # child's ru_maxrss starts from its parent's)
     script = (
         "import sys, threading, time\n"
-        "import fedspear.memory as memory\n"
+        "import fedspear.runtime.memory as memory\n"
         "if sys.argv[1] == 'off': memory.page_out = lambda tensor, mappings=None: 0\n"
         "import torch, transformers\n"
-        "from fedspear.model import load_base\n"
+        "from fedspear.runtime.model import load_base\n"
         "peak, done = [0.0], []\n"
         "def sample():\n"
         "    while not done:\n"
@@ -214,8 +214,8 @@ def test_bf16_loading_releases_the_mapped_checkpoint_file():
     fp32 rest is copied out, nothing refers to the mapping, so the file (and the pages the conversion read, counted
     in the process's resident memory) is no longer mapped. In fp32 the weights are the mapping itself."""
 
-    from fedspear.model import load_base
-    from fedspear.model_zoo import resolve_model_dir
+    from fedspear.runtime.model import load_base
+    from fedspear.runtime.model_zoo import resolve_model_dir
 
     def mapped() -> bool:
         target = str(Path(resolve_model_dir("smollm2-135m")).resolve())

@@ -127,7 +127,7 @@ def test_a_node_with_its_own_data_trains_on_all_of_it(tmp_path, monkeypatch, alw
 
     import fedspear.worker as client_module
     from fedspear.fl.node_worker import NodeRunner, NodeSettings
-    from fedspear.model import LoraSettings, add_lora, get_adapter, load_base
+    from fedspear.runtime.model import LoraSettings, add_lora, get_adapter, load_base
     from fedspear.tasks.common import PACKAGE_DATA_DIR
 
     monkeypatch.setattr(client_module, "make_feedback", lambda task, *args, **kwargs: always_right)
@@ -181,7 +181,7 @@ def test_client_app_rounds_run_in_the_node_worker_and_load_the_model_once(tmp_pa
     arrays = None
     for server_round in (1, 2):
         if arrays is None:
-            from fedspear.model import LoraSettings, add_lora, get_adapter, load_base
+            from fedspear.runtime.model import LoraSettings, add_lora, get_adapter, load_base
 
             base, _, _ = load_base("tiny-random")
             arrays = get_adapter(add_lora(base, LoraSettings(4, 8, cfg.lora_dropout), seed=cfg.seed))

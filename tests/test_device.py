@@ -3,7 +3,7 @@
 A CPU-only machine cannot run the GPU path, so two checks stand in for it here:
 
 - statically, no source line places a tensor on a device named in the code (``device="cuda"``, ``.to("cpu")``,
-  ``.cuda()``): every placement follows the model (``fedspear.model.model_device``);
+  ``.cuda()``): every placement follows the model (``fedspear.runtime.model.model_device``);
 - dynamically, a client round of every algorithm and the server's evaluation run on a CPU model with torch's default
   device set to ``meta`` (a device that holds no data): a tensor created without the model's device would land on
   ``meta`` and the round would fail, since a meta tensor cannot meet a CPU one. The trapped round's adapter and metrics
@@ -24,9 +24,9 @@ import torch
 from typer.testing import CliRunner
 
 import fedspear
-from fedspear.model_zoo import ModelError
-from fedspear.cpu_kernels import bf16_supported
-from fedspear.model import get_adapter, model_device, resolve_device, resolve_dtype
+from fedspear.runtime.model_zoo import ModelError
+from fedspear.runtime.cpu_kernels import bf16_supported
+from fedspear.runtime.model import get_adapter, model_device, resolve_device, resolve_dtype
 from helpers import Alternate, make_worker, nonzero_start
 
 SOURCE = Path(fedspear.__file__).parent

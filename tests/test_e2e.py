@@ -86,7 +86,7 @@ def test_run_writes_metrics_report_plots_and_resumes(tmp_path):
     from peft import PeftModel
     from safetensors.numpy import load_file
 
-    from fedspear.model import get_adapter, load_base
+    from fedspear.runtime.model import get_adapter, load_base
 
     base, _, _ = load_base("smollm2-135m", "fp32")
     loaded = get_adapter(PeftModel.from_pretrained(base, out / "adapters" / "round_0002"))

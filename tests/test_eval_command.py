@@ -199,8 +199,8 @@ def test_lm_eval_harness_scores_the_shipped_data_offline_with_the_adapter(tmp_pa
     """lm-eval's own task config on the packaged SmolLM2, first 6 documents, no network: the identity adapter scores
     as the base model; a perturbed adapter is what gets scored (its per-item log-likelihood choices differ)."""
     from fedspear.experiments.harness import evaluate_lm_eval
-    from fedspear.model import resolve_dtype
-    from fedspear.model_zoo import resolve_model_dir
+    from fedspear.runtime.model import resolve_dtype
+    from fedspear.runtime.model_zoo import resolve_model_dir
 
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     cfg = load_config(model="smollm2-135m", task=task, output_dir=str(tmp_path / "run"))

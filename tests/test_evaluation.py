@@ -12,7 +12,7 @@ from fedspear.tasks import arc_challenge
 def test_loglik_from_generation_equals_a_separate_forward(tiny, arc_items):
     """Log-likelihood scoring reuses generation's first-step logits; they must equal one plain forward per item."""
     from fedspear.evaluation import evaluate, label_token_ids, loglik_predictions
-    from fedspear.generation import generate
+    from fedspear.runtime.generation import generate
 
     model, tok = tiny
     contexts = [render(tok, [arc_challenge.prompt(ex)]) for ex in arc_items]

@@ -67,7 +67,7 @@ def test_client_app_replies_with_adapter_copies_and_counters(monkeypatch, always
     cfg = RunConfig(model="tiny-random", num_clients=2, clients_per_round=1, rollouts_per_round=3, local_steps=2,
                     batch_size=2, lr=1e-2, max_new_tokens=3, lora_r=4, lora_alpha=8)
     worker = client_app.get_worker(cfg)
-    from fedspear.model import get_adapter
+    from fedspear.runtime.model import get_adapter
 
     start = get_adapter(worker.model)
     msg = Message(
@@ -133,7 +133,7 @@ def test_no_raw_text_leaves_the_client(monkeypatch):
     cfg = RunConfig(model="tiny-random", num_clients=2, clients_per_round=1, rollouts_per_round=3, local_steps=1,
                     batch_size=2, max_new_tokens=3, lora_r=4, lora_alpha=8)
     worker = client_app.get_worker(cfg)
-    from fedspear.model import get_adapter
+    from fedspear.runtime.model import get_adapter
 
     start = get_adapter(worker.model)
     msg = Message(

@@ -10,7 +10,7 @@ from fedspear.tasks import arc_challenge
 
 
 def test_shared_prefix_length():
-    from fedspear.generation import shared_prefix_length
+    from fedspear.runtime.generation import shared_prefix_length
 
     assert shared_prefix_length([[1, 2, 3, 4], [1, 2, 5], [1, 2, 3]]) == 2
     assert shared_prefix_length([[1, 2, 3], [1, 2, 3]]) == 2  # each context keeps one token of its own
@@ -24,7 +24,7 @@ def test_generation_with_the_shared_prefix_cached_matches_plain_generation(tiny,
     is run once and its KV cache handed to every row (rows of different lengths, a non-identity adapter)."""
     import copy
 
-    from fedspear.generation import generate
+    from fedspear.runtime.generation import generate
 
     model, tok = tiny
     model = with_random_adapter(copy.deepcopy(model), 0.5)
@@ -49,7 +49,7 @@ def test_merged_adapter_computes_the_unmerged_model_and_puts_the_very_base_weigh
     fp32 rounding; after it the base weights are the same tensors, bitwise unchanged, and the adapter applies again."""
     import copy
 
-    from fedspear.model import merged_adapter
+    from fedspear.runtime.model import merged_adapter
 
     model, tok = tiny
     model = with_random_adapter(copy.deepcopy(model), 0.5).eval()
@@ -78,7 +78,7 @@ def test_merged_adapter_leaves_training_mode_and_disabled_calls_alone_and_restor
 
     import pytest
 
-    from fedspear.model import merged_adapter
+    from fedspear.runtime.model import merged_adapter
 
     model, _ = tiny
     model = with_random_adapter(copy.deepcopy(model), 0.5)
@@ -103,7 +103,7 @@ def test_fp32_generation_merges_the_adapter_and_gives_the_unmerged_greedy_answer
     unmerged model on these prompts, and the base weights are unchanged after."""
     import copy
 
-    from fedspear import generation
+    from fedspear.runtime import generation
 
     model, tok = tiny
     model = with_random_adapter(copy.deepcopy(model), 0.5)
@@ -125,7 +125,7 @@ def test_preallocated_cache_layer_holds_what_concatenation_would():
     """A PreallocatedLayer returns exactly the concatenated keys/values after a prefill, decode steps, a repeat over
     the batch (transformers' new tensors are copied into fresh buffers), a crop and a buffer that fills up; its
     buffers hold what is cached plus GROW positions, up to the capacity, not the whole budget at once."""
-    from fedspear.cpu_kernels import preallocated_layer_class
+    from fedspear.runtime.cpu_kernels import preallocated_layer_class
 
     torch.manual_seed(0)
     layer, keys, values = preallocated_layer_class()(capacity=7), [], []
@@ -163,8 +163,8 @@ def test_generation_with_the_preallocated_cache_gives_the_same_answers(tiny, arc
     without the shared prefix; a model whose cache has other layer kinds gets transformers' own cache."""
     import copy
 
-    import fedspear.generation as generation
-    from fedspear.cpu_kernels import preallocated_cache
+    import fedspear.runtime.generation as generation
+    from fedspear.runtime.cpu_kernels import preallocated_cache
 
     model, tok = tiny
     model = with_random_adapter(copy.deepcopy(model), 0.5)

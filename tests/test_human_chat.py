@@ -20,7 +20,7 @@ from fedspear.human.store import TraceStore
 
 @pytest.fixture(scope="module")
 def responder():
-    from fedspear.model import tiny_model
+    from fedspear.runtime.model import tiny_model
 
     model, tokenizer = tiny_model(seed=0)
     model.eval()

@@ -13,7 +13,7 @@ from fedspear.config import RunConfig
 from fedspear.fl.records import LAYOUT_KEY, from_record, layout_of, to_record
 from fedspear.human.replay import HumanFeedback, as_example, client_round
 from fedspear.interaction import render
-from fedspear.model import get_adapter
+from fedspear.runtime.model import get_adapter
 from fedspear.human.store import TraceStore
 
 PROMPTS = ["What do bees make from nectar? (a question asked in the chat)",
@@ -87,7 +87,7 @@ def test_replay_gives_spears_win_and_lose_sets_and_marks_used(worker, tmp_path, 
     start = get_adapter(worker.model)
     rng = np.random.default_rng(0)
     start = {k: (v + 0.05 * rng.standard_normal(v.shape)).astype(v.dtype) for k, v in start.items()}
-    from fedspear.model import set_adapter
+    from fedspear.runtime.model import set_adapter
 
     set_adapter(worker.model, start)
     metrics = client_round(worker, worker.loaded, store, lr=1e-2, seed=1, server_round=5)

@@ -101,7 +101,7 @@ def test_readme_layout_names_every_module():
     for row in section.splitlines():
         if row.startswith("|") and row.count("|") >= 4:
             named |= set(re.findall(r"`([a-z_/]+\*?)`", row.split("|")[2]))
-    packages = {"", "fl", "server", "human", "experiments", "experiments/compare", "tasks", "algorithms"}
+    packages = {"", "fl", "server", "human", "runtime", "experiments", "experiments/compare", "tasks", "algorithms"}
     expected = set()
     for name in _modules():
         rel = name.removeprefix("fedspear").lstrip(".").replace(".", "/")

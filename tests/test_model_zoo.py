@@ -11,8 +11,8 @@ import numpy as np
 import pytest
 from typer.testing import CliRunner
 
-from fedspear import model_zoo
-from fedspear.model_zoo import ModelError, SplitModel, join_split_gguf, split_part_paths, verify_gguf
+from fedspear.runtime import model_zoo
+from fedspear.runtime.model_zoo import ModelError, SplitModel, join_split_gguf, split_part_paths, verify_gguf
 
 
 def _write_gguf(path):
@@ -110,7 +110,7 @@ def test_gradient_checkpointing_changes_memory_not_gradients(dropout):
     "auto" leaves a small model alone; a bad setting is refused."""
     import torch
 
-    from fedspear.model import LoraSettings, add_lora, tiny_model, use_gradient_checkpointing
+    from fedspear.runtime.model import LoraSettings, add_lora, tiny_model, use_gradient_checkpointing
 
     ids = torch.randint(0, 1000, (2, 12), generator=torch.Generator().manual_seed(0))
     grads = {}
@@ -143,7 +143,7 @@ def test_export_keeps_the_copy_another_process_finished_first(tmp_path, monkeypa
 
     import transformers
 
-    from fedspear.model_zoo import _export_gguf
+    from fedspear.runtime.model_zoo import _export_gguf
 
     target = tmp_path / "models" / "m-123"
     target.parent.mkdir()

@@ -111,7 +111,7 @@ def test_a_client_round_reports_the_users_mistakes():
     """Worker.round with p = 1 flips every verdict (tiny model, 3 prompts, N = 1): each attempt was judged once, so
     user_flips = generations, and every wrong-called answer got a hint."""
     from fedspear.worker import Worker
-    from fedspear.model import get_adapter
+    from fedspear.runtime.model import get_adapter
 
     cfg = RunConfig(model="tiny-random", num_clients=2, clients_per_round=1, rollouts_per_round=3, local_steps=1,
                     batch_size=2, max_new_tokens=4, lora_r=4, lora_alpha=8, lora_dropout=0.0, train_size=40,

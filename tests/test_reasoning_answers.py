@@ -245,7 +245,7 @@ class ByteTokenizer:
 
 
 def scripted_generate(texts: list[str]):
-    """A stand-in for ``fedspear.generation.generate`` that returns ``texts`` (+ EOS) in order."""
+    """A stand-in for ``fedspear.runtime.generation.generate`` that returns ``texts`` (+ EOS) in order."""
     tok = ByteTokenizer()
 
     def generate(model, tokenizer, contexts, **kwargs):

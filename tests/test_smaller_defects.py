@@ -195,7 +195,7 @@ def test_first_step_ratio_is_one_with_lora_dropout(algorithm, arc_items, monkeyp
 def test_dropout_setting_per_algorithm_and_in_the_loop(tiny):
     """GRPO and RLTF-SD train without dropout; SPEAR, Feedback SFT and OPSD keep it (their path is unchanged).
     ``optimise`` leaves the model in train mode and puts only the dropout modules in eval mode."""
-    from fedspear.model import LoraSettings, add_lora, tiny_model
+    from fedspear.runtime.model import LoraSettings, add_lora, tiny_model
     from fedspear.training import TrainSettings, optimise
 
     cfg = RunConfig().resolved()

@@ -51,7 +51,7 @@ def test_server_state_is_checkpointed_with_the_adapter(tmp_path):
 
 def test_fedprox_pulls_the_local_update_towards_the_global_adapter(tiny, arc_items, always_right):
     from fedspear.interaction import interact
-    from fedspear.model import get_adapter, set_adapter
+    from fedspear.runtime.model import get_adapter, set_adapter
     from fedspear.tasks import arc_challenge
     from fedspear.training import TrainSettings, local_train
     from fedspear.server.validation import update_norm

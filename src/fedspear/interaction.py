@@ -27,7 +27,7 @@ import torch
 from . import progress
 from .counters import INTERACTION
 from .feedback import FeedbackSource
-from .generation import generate
+from .runtime.generation import generate
 from .tasks.base import Example
 
 
@@ -61,8 +61,8 @@ def decode(tokenizer, ids: list[int]) -> str:
 
 
 def sample_counted(model, tokenizer, contexts: Sequence[list[int]], counters: dict, **generation) -> list[list[int]]:
-    """:func:`fedspear.generation.generate` (``generation``: its keyword arguments) with the counters every algorithm
-    reports: ``generations`` (+1 per context) and ``tokens_generated``."""
+    """:func:`fedspear.runtime.generation.generate` (``generation``: its keyword arguments) with the counters every
+    algorithm reports: ``generations`` (+1 per context) and ``tokens_generated``."""
     ids = generate(model, tokenizer, contexts, **generation)
     counters["generations"] += len(ids)
     counters["tokens_generated"] += sum(len(x) for x in ids)

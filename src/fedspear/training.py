@@ -22,8 +22,8 @@ import torch
 from . import losses as L
 from . import progress
 from .interaction import Trace
-from .cpu_kernels import FastDropout
-from .model import autocast, model_device, pad_id
+from .runtime.cpu_kernels import FastDropout
+from .runtime.model import autocast, model_device, pad_id
 from .losses import fedprox_term
 
 
@@ -104,7 +104,7 @@ class Batch:
 
 def pack(traces: Sequence[Trace], pad_id: int, device: torch.device | str | None = None) -> Batch:
     """Left-pad ``prompt ‖ completion`` for each trace so completions end at the last column; every tensor on
-    ``device`` (the model's, ``fedspear.model.model_device``; None: torch's default device)."""
+    ``device`` (the model's, ``fedspear.runtime.model.model_device``; None: torch's default device)."""
     seqs = [t.prompt_ids + t.completion_ids for t in traces]
     width = max(len(s) for s in seqs)
     window = max(len(t.completion_ids) for t in traces)

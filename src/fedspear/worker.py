@@ -21,8 +21,8 @@ from . import progress
 from .config import RunConfig
 from .feedback import FeedbackSource, make_feedback
 from .algorithms import ALGORITHMS
-from .model import LoraSettings, add_lora, get_adapter, load_base, set_adapter, use_gradient_checkpointing
-from .memory import peak_rss_mb, release_memory
+from .runtime.model import LoraSettings, add_lora, get_adapter, load_base, set_adapter, use_gradient_checkpointing
+from .runtime.memory import peak_rss_mb, release_memory
 from .tasks import get_task, load_train_examples
 from .tasks.base import Example
 

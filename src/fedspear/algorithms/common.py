@@ -13,7 +13,7 @@ import torch
 
 from .. import progress
 from ..interaction import Trace, decode, new_counters, render, sample_counted
-from ..model import model_device, pad_id
+from ..runtime.model import model_device, pad_id
 from ..tasks.base import Example
 from ..training import Cycler, TrainSettings, completion_logprobs, optimise, pack
 

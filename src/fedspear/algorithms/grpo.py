@@ -35,7 +35,7 @@ import torch
 from .. import baseline_losses as B
 from ..feedback import FeedbackSource
 from ..interaction import make_trace
-from ..model import model_device
+from ..runtime.model import model_device
 from ..tasks.base import Example
 from ..training import TrainSettings, completion_logprobs, pack
 from . import common

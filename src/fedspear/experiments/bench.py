@@ -41,8 +41,8 @@ import torch
 from transformers import LogitsProcessor
 
 from ..config import RunConfig
-from ..memory import release_memory, reset_peak
-from ..model import autocast, model_device
+from ..runtime.memory import release_memory, reset_peak
+from ..runtime.model import autocast, model_device
 
 
 def _amd_core(family: int, model: int) -> str | None:
@@ -245,7 +245,7 @@ def decode_cache(model, cache: str, capacity: int) -> dict:
     Raises:
         ValueError: another ``cache``.
     """
-    from ..cpu_kernels import preallocated_cache
+    from ..runtime.cpu_kernels import preallocated_cache
 
     if cache not in ("fedspear", "transformers"):
         raise ValueError(f"cache must be 'fedspear' or 'transformers' (got {cache!r})")
@@ -268,8 +268,8 @@ def decode_tokens_per_s(model, tokenizer, dtype_used: str, batch: int, prompt: i
     """
     from transformers import LogitsProcessorList
 
-    from ..generation import merges_adapter
-    from ..model import merged_adapter
+    from ..runtime.generation import merges_adapter
+    from ..runtime.model import merged_adapter
 
     if new < 2:
         raise ValueError(f"decode needs at least 2 new tokens to time a step (got {new})")
@@ -322,7 +322,7 @@ def run_bench(model: str = "smollm2-135m", dtype: str = "auto", quick: bool = Fa
     """
     say = progress or (lambda text: None)
     from ..evaluation import evaluate
-    from ..model import LoraSettings, add_lora, load_base, resolve_device, use_gradient_checkpointing
+    from ..runtime.model import LoraSettings, add_lora, load_base, resolve_device, use_gradient_checkpointing
     from ..tasks import arc_challenge
 
     s = 0.2 if quick else 1.5  # seconds per micro-benchmark
@@ -480,7 +480,7 @@ def scaling(model: str = "smollm2-135m", dtype: str = "auto", quick: bool = Fals
     import dataclasses
 
     from ..fl.simulation import simulate
-    from ..model import get_adapter, resolve_device
+    from ..runtime.model import get_adapter, resolve_device
     from ..rundir import RunDir, training_seconds
     from ..worker import Worker
 

@@ -4,10 +4,10 @@ The field compares models with lm-eval, so this runs lm-eval's *own* ``arc_chall
 configs (prompt, answer choices, ``acc`` and ``acc_norm``, HellaSwag's ``process_docs``), read from the installed
 ``lm_eval/tasks/*/…yaml``, with one change: the documents come from the JSONL files fedspear ships (or ``data_dir``)
 through ``datasets``' ``json`` loader instead of the Hugging Face hub, so it runs offline. The model is lm-eval's
-``hf`` model on the same local weights fedspear loads (``fedspear.model_zoo.resolve_model_dir``) with the adapter as
-``peft=``, on the run's device, in fp32 or bf16 (``fedspear eval``'s ``--dtype``: ``auto`` is bf16 where the CPU has
-bf16 units, the precision fedspear's own protocol then uses too, so the two protocols differ in prompt and scoring
-only).
+``hf`` model on the same local weights fedspear loads (``fedspear.runtime.model_zoo.resolve_model_dir``) with the
+adapter as ``peft=``, on the run's device, in fp32 or bf16 (``fedspear eval``'s ``--dtype``: ``auto`` is bf16 where
+the CPU has bf16 units, the precision fedspear's own protocol then uses too, so the two protocols differ in prompt and
+scoring only).
 
 The two protocols differ by design, and their accuracies are not the same number:
 

@@ -22,8 +22,8 @@ from flwr.serverapp import Grid, ServerApp
 
 from fedspear import counters, progress
 from fedspear.arrays import layout_mismatch
-from fedspear.memory import peak_rss_mb, release_memory
-from fedspear.model import model_device
+from fedspear.runtime.memory import peak_rss_mb, release_memory
+from fedspear.runtime.model import model_device
 from fedspear.tasks import load_train_examples
 from fedspear.config import RunConfig, load_config, snake_key
 from fedspear.evaluation import Evaluator

@@ -56,7 +56,7 @@ def simulate(cfg: RunConfig, on_round: Callable[[dict], None] | None = None, ver
 
     from fedspear.fl.client_app import app as client_app
     from fedspear.fl.server_app import run_server
-    from fedspear.model import resolve_device
+    from fedspear.runtime.model import resolve_device
 
     outcome: dict[str, object] = {}
     server_app = ServerApp()

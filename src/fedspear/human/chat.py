@@ -32,7 +32,7 @@ try:  # the [ui] extra
 except ImportError as err:
     raise ImportError(f"fedspear chat needs the [ui] extra: pip install 'fedspear[ui]' ({err})") from err
 
-from ..generation import generate
+from ..runtime.generation import generate
 from ..interaction import render
 from .store import TraceStore, TraceStoreError, Trajectory, count
 
@@ -62,9 +62,10 @@ class ChatModel:
         """Load the base model and, optionally, a peft adapter folder (e.g. ``runs/x/adapters/round_0004``).
 
         Raises:
-            fedspear.model_zoo.ModelError: the model cannot be loaded. FileNotFoundError: no adapter at ``adapter``.
+            fedspear.runtime.model_zoo.ModelError: the model cannot be loaded.
+            FileNotFoundError: no adapter at ``adapter``.
         """
-        from ..model import load_base
+        from ..runtime.model import load_base
 
         base, tokenizer, dtype_used = load_base(model, dtype)
         version = model

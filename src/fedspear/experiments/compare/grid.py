@@ -37,7 +37,7 @@ from ...config import ConfigError, RunConfig, load_config, parse_assignments, re
 from ...paper_settings import PRESETS as RUN_PRESETS
 from ...paper_settings import preset_settings
 from ...rundir import LEGACY_DEFAULTS, RunDir
-from ...model import resolve_device, resolve_dtype
+from ...runtime.model import resolve_device, resolve_dtype
 
 PARTITIONER_DEFAULT = RunConfig.__dataclass_fields__["partitioner"].default
 

@@ -157,10 +157,10 @@ def store_linear_weights_bf16(base) -> int:
     memory (its tensors are views of the mapping): once no tensor refers to it the mapping is released, and with it
     the file pages the bf16 conversion read — resident memory counted against the process (SmolLM2-135M: ≈ 0.6 GB,
     Qwen2.5-Coder-1.5B exported in fp32: ≈ 6 GB; issue 19 item 3). Until then each converted tensor's file pages are
-    paged out as soon as it is converted (``fedspear.memory.page_out``), so the peak while loading is the bf16 model
+    paged out as soon as it is converted (``memory.page_out``), so the peak while loading is the bf16 model
     plus one fp32 tensor, not plus the whole file.
     """
-    from fedspear.memory import file_mappings, page_out
+    from fedspear.runtime.memory import file_mappings, page_out
 
     mappings = file_mappings()  # the checkpoint's mapping stays while its tensors are converted
     out = base.get_output_embeddings()

@@ -8,7 +8,7 @@ from typing import Sequence
 
 import torch
 
-from . import progress
+from .. import progress
 from .cpu_kernels import preallocated_cache
 from .model import autocast, merged_adapter, model_device, pad_id
 
@@ -76,7 +76,7 @@ def generate(
             61 of ≈137 tokens for ARC with SmolLM2) once and hand their KV cache to every row. The rows are laid
             out ``[prefix | left padding | own tokens]``; positions follow the attention mask, so each row sees what
             it would see alone.
-        merge: generate with the LoRA adapter merged into the base weights (``fedspear.model.merged_adapter``: one
+        merge: generate with the LoRA adapter merged into the base weights (``model.merged_adapter``: one
             matmul per projection instead of the LoRA branch's 5–6 small ops; the base weights are put back exactly
             after). ``None``: ``merges_adapter`` decides — fp32 models up to 1B parameters, where merging changes
             the result by fp32 rounding only; under bf16 the base weights are bf16 and merging would round the

@@ -1,7 +1,7 @@
 """Load the base model and tokenizer, wrap it with a LoRA adapter (peft), and move adapter weights in and out.
 
-Where the weights come from is ``fedspear.model_zoo`` (packaged GGUF files, exported once); the CPU speed patches
-``load_base`` installs are ``fedspear.cpu_kernels``. ``resolve_device`` / ``resolve_dtype`` decide where and in
+Where the weights come from is ``model_zoo`` (packaged GGUF files, exported once); the CPU speed patches
+``load_base`` installs are ``cpu_kernels``. ``resolve_device`` / ``resolve_dtype`` decide where and in
 which precision everything runs.
 """
 
@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from .arrays import layout_mismatch
+from ..arrays import layout_mismatch
 from .cpu_kernels import (
     FastDropout,
     bf16_supported,
@@ -208,7 +208,7 @@ def merged_adapter(model, enabled: bool = True):
     kept by reference and put back, so nothing drifts (peft's ``unmerge_adapter`` alone subtracts s·B·A again, which
     rounds). Costs one copy of the adapted projections' weights while the block runs. The merged weight has the base
     weight's dtype: in fp32 it differs from the unmerged sum by rounding only; bf16 weights would round the update to
-    bf16 (quantise it), so callers merge for fp32 models only (``fedspear.generation.generate``). A model without a
+    bf16 (quantise it), so callers merge for fp32 models only (``generation.generate``). A model without a
     LoRA adapter, a model in training mode or ``enabled=False`` runs unchanged.
 
     Raises:

@@ -1,0 +1,3 @@
+"""Running the model: where its weights come from (``model_zoo``), loading it with a LoRA adapter in the chosen device
+and precision (``model``), batched decoding (``generation``), the CPU speed patches (``cpu_kernels``) and process
+memory (``memory``). Nothing here knows about tasks, feedback or Flower."""

@@ -4,15 +4,15 @@ split and on the full copies in shared/data, for seeds 0–4."""
 
 from __future__ import annotations
 
-from pathlib import Path
 
 import numpy as np
 import pytest
 
 from fedspear.fl.partition import PartitionError, dirichlet_partitions, partition_summary
 from fedspear.tasks import TASKS, arc_challenge
+from shared_dir import SHARED, shared_marks
 
-SHARED_DATA = Path(__file__).resolve().parents[2] / "shared" / "data"
+SHARED_DATA = SHARED / "data"
 
 
 def test_partition_is_complete_disjoint_and_deterministic():
@@ -42,7 +42,7 @@ def test_small_alpha_skews_label_proportions(rule):
 
 def _sources():
     out = [(name, None) for name in sorted(TASKS)]
-    out += [(name, str(SHARED_DATA)) for name in sorted(TASKS)]
+    out += [pytest.param(name, str(SHARED_DATA), marks=shared_marks("data")) for name in sorted(TASKS)]
     return out
 
 
@@ -50,8 +50,6 @@ def _sources():
 def test_paper_federations_partition_every_task_for_seeds_0_to_4(task, data_dir):
     """50 clients Dir(1.0) and 100 clients Dir(0.3): every client gets ⌊n/K⌋ or ⌈n/K⌉ items (≥ 10 on every split
     here), all items used once. The 'dirichlet' rule, the one before 2026-11-25, fails on the shipped ARC split."""
-    if data_dir and not Path(data_dir).is_dir():
-        pytest.skip(f"{data_dir} not present (shared/ is beside the checkout in CI)")
     module = TASKS[task]
     items = module.load(module.TRAIN_SPLIT, data_dir=data_dir)
     n = len(items)

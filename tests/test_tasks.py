@@ -13,9 +13,9 @@ import pytest
 from fedspear.tasks import TASKS, arc_challenge, get_task, hellaswag, math_mcqa, strategy_qa
 from fedspear.tasks.base import DataError, Example
 from fedspear.tasks.common import PACKAGE_DATA_DIR, extract_letter, extract_yes_no, hint_words
+from shared_dir import SHARED, needs_shared
 
-SHARED_DATA = Path(__file__).resolve().parents[2] / "shared" / "data"
-needs_shared = pytest.mark.skipif(not (SHARED_DATA / "arc_challenge").is_dir(), reason="shared/data not present")
+SHARED_DATA = SHARED / "data"
 
 ABCD = ("A", "B", "C", "D")
 
@@ -381,7 +381,7 @@ def test_shipped_math_mcqa_records_are_valid(split):
         assert example.extra["answer_text"] == example.options[example.gold_index]
 
 
-@needs_shared
+@needs_shared("data")
 def test_shipped_math_mcqa_is_a_sample_of_the_derivation():
     for split in ("train", "test"):
         full = {e.uid: e for e in math_mcqa.load(split, data_dir=SHARED_DATA)}
@@ -390,7 +390,7 @@ def test_shipped_math_mcqa_is_a_sample_of_the_derivation():
             assert full[example.uid] == example
 
 
-@needs_shared
+@needs_shared("data")
 def test_shipped_files_match_shared_data():
     for name in ("arc_challenge", "strategy_qa"):
         for split in ("train", "test"):

@@ -28,6 +28,27 @@ def test_registry_names_every_algorithm():
         RunConfig(algorithm="ppo")
 
 
+def test_torch_free_table_agrees_with_the_modules_and_the_paper():
+    """``fedspear.algorithm_defaults`` (what the run configuration reads without torch) names the registry's modules
+    in order, and its per-task values are those the modules use and the paper's tables give (τ: SPEAR's table;
+    G, β_KL: GRPO's)."""
+    from fedspear import algorithm_defaults as D
+    from fedspear.config import RunConfig as Config
+    from fedspear.paper_settings import TABLES, TASK_COLUMNS
+
+    assert tuple(ALGORITHMS) == D.ALGORITHM_NAMES
+    assert dict(Config.__dataclass_fields__["algorithm"].metadata)["choices"] == list(ALGORITHMS)
+    assert (spear.TAU, spear.MAX_LOSE_RATIO) == (D.TAU, D.MAX_LOSE_RATIO)
+    spear_table, grpo_table = TABLES["tab:qwen1.5b_hparams"], TABLES["tab:qwen1.5b_grpo_hparams"]
+    for column, task in enumerate(TASK_COLUMNS):
+        assert D.TAU[task] == spear_table["tau"][column]
+        assert D.GROUP_SIZE[task] == grpo_table["GRPO num. generations"][column]
+        assert D.KL_BETA[task] == grpo_table["GRPO beta_KL"][column]
+        cfg = Config(task=task).resolved()
+        assert cfg.tau == D.TAU[task] and cfg.max_lose_ratio == D.MAX_LOSE_RATIO[task]
+        assert (grpo.settings(cfg).group_size, grpo.settings(cfg).beta) == (D.GROUP_SIZE[task], D.KL_BETA[task])
+
+
 def test_paper_table_defaults():
     """GRPO / RLTF-SD group size and β_KL per task, OPSD variants (paper appendix baseline tables; SPEC §5)."""
     for task, g, beta in [("arc_challenge", 4, 0.02), ("strategy_qa", 2, 0.1), ("hellaswag", 4, 0.02),

@@ -19,7 +19,6 @@ from typing import Optional
 import typer
 
 from .config import ConfigError, RunConfig, load_config, parse_assignments
-from .report import accuracy_text, round_text
 
 app = typer.Typer(add_completion=False, pretty_exceptions_show_locals=False, no_args_is_help=True,
                   help="Online federated fine-tuning from feedback (SPEAR).")
@@ -107,10 +106,6 @@ def run(
     verbose: bool = typer.Option(False, "--verbose", "-v", help="show Flower and Ray logs"),
 ) -> None:
     """Run (or resume) a federation (SPEAR or a baseline: --set algorithm=…) on Flower's simulation engine."""
-    from .runtime.model_zoo import ModelError
-    from .rundir import RunDirError
-    from .tasks.base import DataError
-
     overrides = dict(task=task, rounds=rounds, num_clients=clients, clients_per_round=clients_per_round,
                      rollouts_per_round=rollouts_per_round, max_revisions=max_revisions, mu=mu, tau=tau,
                      lambda_w=lambda_w, lambda_l=lambda_l, lr=lr, model=model, dtype=dtype, seed=seed,
@@ -120,6 +115,13 @@ def run(
     try:
         overrides.update(parse_assignments(set_))
         cfg = load_config(config, preset=preset, **overrides)
+    except ConfigError as err:  # answered before torch is imported (the model code's errors below need it)
+        _fail(str(err))
+    from .runtime.model_zoo import ModelError
+    from .rundir import RunDirError
+    from .tasks.base import DataError
+
+    try:
         preflight(cfg)
     except (ConfigError, DataError, ModelError, RunDirError, ValueError) as err:
         _fail(str(err))
@@ -187,6 +189,7 @@ def _run(cfg: RunConfig, verbose: bool) -> None:
     from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
     from .fl.partition import PartitionError
+    from .report import accuracy_text, round_text
     from .runtime.model_zoo import ModelError
     from .runtime.model import resolve_device, resolve_dtype
     from .rundir import EmptyRoundError, RunDir, RunDirError
@@ -494,6 +497,7 @@ def eval_(
     """Evaluate the base model, a saved adapter or a run's final adapter by fedspear's protocol (SPEC §6): the same
     code as a run's own evaluation. Writes JSON with per-item answers; prints accuracy with its 95% interval."""
     from .evaluation import Evaluator
+    from .report import accuracy_text
     from .runtime.model_zoo import ModelError
     from .rundir import RunDirError, load_adapter_folder
     from .tasks.base import DataError

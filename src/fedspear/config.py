@@ -19,7 +19,7 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
-from .algorithms import ALGORITHMS, spear
+from .algorithm_defaults import ALGORITHM_NAMES, MAX_LOSE_RATIO, TAU
 from .tasks import TASKS, get_task
 
 
@@ -101,7 +101,7 @@ class RunConfig:
         default="spear",
         metadata=_meta(
             "client algorithm: spear (paper), or the baselines feedback_sft, grpo, opsd, rltf_sd (SPEC §5)",
-            choices=list(ALGORITHMS),
+            choices=list(ALGORITHM_NAMES),
         ),
     )
     # federation
@@ -615,9 +615,9 @@ class RunConfig:
         task = get_task(self.task)
         return dataclasses.replace(
             self,
-            tau=spear.TAU[self.task] if self.tau is None else self.tau,
+            tau=TAU[self.task] if self.tau is None else self.tau,
             max_new_tokens=self.max_new_tokens or task.MAX_NEW_TOKENS,
-            max_lose_ratio=spear.MAX_LOSE_RATIO[self.task] if self.max_lose_ratio is None else self.max_lose_ratio,
+            max_lose_ratio=MAX_LOSE_RATIO[self.task] if self.max_lose_ratio is None else self.max_lose_ratio,
         )
 
     def to_dict(self) -> dict[str, Any]:

@@ -22,7 +22,8 @@ from types import ModuleType
 
 from . import feedback_sft, grpo, opsd, rltf_sd, spear
 
-#: name (the ``algorithm`` run key) → its module; the order is the order of every comparison table's rows.
+#: name (the ``algorithm`` run key) → its module, in the order of ``fedspear.algorithm_defaults.ALGORITHM_NAMES``
+#: (the torch-free list the run configuration reads; tests/test_algorithms.py checks they agree).
 ALGORITHMS: dict[str, ModuleType] = {
     "spear": spear,
     "feedback_sft": feedback_sft,

@@ -33,16 +33,13 @@ from typing import Sequence
 import torch
 
 from .. import baseline_losses as B
+from ..algorithm_defaults import GROUP_SIZE, KL_BETA
 from ..feedback import FeedbackSource
 from ..interaction import make_trace
 from ..runtime.model import model_device
 from ..tasks.base import Example
 from ..training import TrainSettings, completion_logprobs, pack
 from . import common
-
-# paper appendix tables "... GRPO hyperparameters ..." (tab:qwen1.5b_grpo_hparams, tab:llama3b_grpo_hparams)
-GROUP_SIZE = {"math_mcqa": 2, "arc_challenge": 4, "strategy_qa": 2, "hellaswag": 4}
-KL_BETA = {"math_mcqa": 0.02, "arc_challenge": 0.02, "strategy_qa": 0.1, "hellaswag": 0.02}
 
 
 @dataclass

@@ -9,19 +9,13 @@ from __future__ import annotations
 
 from typing import Sequence
 
+from ..algorithm_defaults import MAX_LOSE_RATIO, TAU  # noqa: F401 - τ and |L|/|W| per task, read as spear.TAU
 from ..feedback import FeedbackSource
 from ..interaction import interact
 from ..tasks.base import Example
 from ..training import TrainSettings, local_train
 
 Settings = TrainSettings
-
-#: τ, the unlikelihood tail length per task (paper appendix table "Hyperparameter Settings (SPEAR)": Math 32, ARC 0,
-#: StrategyQA 24, HellaSwag 0; 0 = the whole completion). ``RunConfig.tau = None`` takes it.
-TAU = {"math_mcqa": 32, "arc_challenge": 0, "strategy_qa": 24, "hellaswag": 0}
-#: |L| ≤ ratio · |W| per task (SPEC §3: 2 for the letter-answer tasks, 4 where answers are reasoned).
-#: ``RunConfig.max_lose_ratio = None`` takes it.
-MAX_LOSE_RATIO = {"math_mcqa": 4, "arc_challenge": 2, "strategy_qa": 4, "hellaswag": 2}
 
 
 def settings(cfg) -> TrainSettings:

@@ -24,7 +24,7 @@ def _run(*args):
         (["--task", "mnist"], "task: 'mnist' is not allowed"),
         (["--set", "lr=abc"], "lr: expected a number, got 'abc'"),
         (["--rounds", "0"], "rounds: 0 is out of range; it must be >= 1"),
-        (["--set", "colour=red"], "unknown config key(s) colour"),
+        (["--set", "colour=red"], "--set: unknown config key 'colour'"),
         (["--model", "/nonexistent/model-dir"], "model path /nonexistent/model-dir does not exist"),
         (["--model", "no-such-model"], "unknown model 'no-such-model'"),
         (["--data-dir", "/nonexistent/data"], "data_dir: /nonexistent/data is not a directory"),

@@ -30,7 +30,7 @@ def test_defaults_are_valid_and_resolve_per_task():
         ({"dtype": "fp16"}, "dtype: 'fp16' is not allowed; choose one of auto, bf16, fp32"),
         ({"clients_per_round": 5, "num_clients": 3}, "clients_per_round = 5 exceeds num_clients = 3"),
         ({"eval_generation": "yes"}, "eval_generation: expected true or false"),
-        ({"colour": "red"}, "unknown config key(s) colour"),
+        ({"colour": "red"}, "unknown config key 'colour'"),
     ],
 )
 def test_bad_values_name_the_key_and_range(overrides, fragment):

@@ -624,15 +624,40 @@ class RunConfig:
         return dataclasses.asdict(self)
 
     def to_toml(self) -> str:
-        """TOML text holding every key (``None`` values are written as comments)."""
+        """TOML text holding every key (``None`` values are written as comments: ``(task default)`` for the keys a
+        task or algorithm fills in, ``TASK_DEFAULT_KEYS``, else ``(not set)``)."""
         lines = []
         for f in fields(self):
             value = getattr(self, f.name)
             if value is None:
-                lines.append(f"# {f.name} = (task default)")
+                lines.append(f"# {f.name} = " + ("(task default)" if f.name in TASK_DEFAULT_KEYS else "(not set)"))
             else:
                 lines.append(f"{f.name} = {json.dumps(value)}")
         return "\n".join(lines) + "\n"
+
+
+#: keys whose ``None`` means "the task's (or the algorithm's per-task) value": ``resolved()`` and the algorithm
+#: modules fill them in (``fedspear.algorithm_defaults``, each task's ``MAX_NEW_TOKENS``).
+TASK_DEFAULT_KEYS = frozenset({"tau", "max_new_tokens", "max_lose_ratio", "group_size", "kl_beta"})
+
+
+def unknown_keys_error(unknown: list[str], where: str) -> ConfigError:
+    """The error for keys ``RunConfig`` does not have: names where they came from (a file, ``--set``) and, for each,
+    the nearest known key (difflib, or the key's initials: ``learning_rate`` → ``lr``), instead of listing all 70.
+    """
+    import difflib
+
+    known = [f.name for f in fields(RunConfig)]
+    parts = []
+    for key in unknown:
+        near = difflib.get_close_matches(key, known, n=1, cutoff=0.6)
+        if not near:  # learning_rate → lr: an abbreviation difflib's ratio misses; try the key's initials
+            initials = "".join(word[0] for word in key.split("_") if word)
+            near = [k for k in known if k == initials]
+        parts.append(f"'{key}'" + (f" (did you mean '{near[0]}'?)" if near else ""))
+    noun = "key" if len(unknown) == 1 else "keys"
+    return ConfigError(f"{where}: unknown config {noun} {', '.join(parts)}; a run's config.toml and "
+                       "src/fedspear/config.py list every key")
 
 
 def _check_dp(cfg: RunConfig) -> None:
@@ -707,10 +732,13 @@ def load_config(path: str | Path | None = None, preset: str | None = None, **ove
         ConfigError: the file is missing or not TOML, a key is unknown, a value is invalid, or the preset is unknown.
     """
     values: dict[str, Any] = {}
+    known = {f.name for f in fields(RunConfig)}
     if path:
         path = Path(path)
         values = read_toml(path, "config file")
         values = values.get("fedspear", values)
+        if set(values) - known:
+            raise unknown_keys_error(sorted(set(values) - known), str(path))
     values.update({k: v for k, v in overrides.items() if v is not None})
     if preset:
         from .paper_settings import preset_settings
@@ -721,10 +749,9 @@ def load_config(path: str | Path | None = None, preset: str | None = None, **ove
                                         values.get("algorithm", defaults["algorithm"].default)), **values}
         except ValueError as err:
             raise ConfigError(f"--preset {preset}: {err}") from None
-    known = {f.name for f in fields(RunConfig)}
     unknown = sorted(set(values) - known)
     if unknown:
-        raise ConfigError(f"unknown config key(s) {', '.join(unknown)}; known keys: {', '.join(sorted(known))}")
+        raise unknown_keys_error(unknown, "--set" if not preset or set(unknown) & set(overrides) else "--preset")
     try:
         return RunConfig(**values)
     except ConfigError as err:

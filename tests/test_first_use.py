@@ -68,3 +68,95 @@ def test_config_toml_labels_only_task_defaults_as_such():
     resolved = RunConfig(task="strategy_qa").resolved()
     assert {k for k in TASK_DEFAULT_KEYS if getattr(resolved, k) is None} == {"group_size", "kl_beta"}
     assert "tau = 24" in resolved.to_toml()
+
+
+def _invoke(*args):
+    from typer.testing import CliRunner
+
+    from fedspear.cli import app
+
+    return CliRunner().invoke(app, list(args))
+
+
+def _one_line_error(result, fragment: str) -> None:
+    assert result.exit_code == 2, result.output
+    lines = [ln for ln in result.output.splitlines() if ln.strip()]
+    assert len(lines) == 1 and lines[0].startswith("error: ") and fragment in lines[0], result.output
+
+
+TINY = ["--model", "tiny-random", "--rounds", "1", "--clients", "2", "--set", "clients_per_round=1"]
+
+
+def test_output_dir_that_is_a_file_is_one_line_and_keeps_the_file(tmp_path):
+    target = tmp_path / "notes.txt"
+    target.write_text("mine\n")
+    _one_line_error(_invoke("run", *TINY, "-o", str(target)), f"output_dir {target} is an existing file")
+    assert target.read_text() == "mine\n"
+    _one_line_error(_invoke("run", *TINY, "-o", str(target / "run")), f"{target} is a file, not a folder")
+
+
+def test_output_dir_on_a_read_only_place_is_one_line_and_writes_nothing(tmp_path, monkeypatch):
+    """A read-only file system answers ``access(W_OK)`` with EROFS; simulated here for ``tmp_path`` (tests run as
+    root, whom file modes do not stop)."""
+    import os
+
+    real = os.access
+    monkeypatch.setattr(os, "access", lambda p, mode, **kw: False if str(p).startswith(str(tmp_path)) and mode & os.W_OK
+                        else real(p, mode, **kw))
+    _one_line_error(_invoke("run", *TINY, "-o", str(tmp_path / "a" / "run")),
+                    f"cannot write in {tmp_path} (read-only file system or no permission)")
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_eval_output_that_is_a_folder_fails_before_the_evaluation(tmp_path, monkeypatch):
+    import fedspear.evaluation
+
+    def no_evaluation(*args, **kwargs):
+        raise AssertionError("the evaluation ran before the output was checked")
+
+    monkeypatch.setattr(fedspear.evaluation.Evaluator, "__init__", no_evaluation)
+    _one_line_error(_invoke("eval", "--model", "tiny-random", "-o", str(tmp_path)), f"-o {tmp_path} is a folder")
+    monkeypatch.chdir(tmp_path)  # the default output, ./eval-<model>-<task>-<split>.json, as a folder
+    (tmp_path / "eval-tiny-random-arc_challenge-test.json").mkdir()
+    _one_line_error(_invoke("eval", "--model", "tiny-random"), "eval-tiny-random-arc_challenge-test.json is a folder")
+
+
+@pytest.mark.parametrize("how", ["HF_HUB_OFFLINE", "unreachable", "unknown"])
+def test_unknown_hub_id_fails_at_once_and_writes_nothing(tmp_path, monkeypatch, how):
+    """Not in the cache: with HF_HUB_OFFLINE set, or a Hub that cannot be reached or does not know the id, the run
+    stops in the preflight with one line (no retries) and no run folder."""
+    import httpx
+    import huggingface_hub
+    from huggingface_hub import constants
+    from huggingface_hub.errors import RepositoryNotFoundError
+
+    asked = []
+
+    def model_info(model, timeout=None):
+        asked.append((model, timeout))
+        if how == "unknown":
+            url = f"https://huggingface.co/api/models/{model}"
+            raise RepositoryNotFoundError("404 Client Error",
+                                          response=httpx.Response(404, request=httpx.Request("GET", url)))
+        raise OSError("[Errno -2] Name or service not known")
+
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", how == "HF_HUB_OFFLINE")
+    monkeypatch.setattr(huggingface_hub, "model_info", model_info)
+    run = tmp_path / "run"
+    expected = {"HF_HUB_OFFLINE": "is not in the Hugging Face cache and HF_HUB_OFFLINE is set",
+                "unreachable": "is not in the Hugging Face cache and the Hub cannot be reached (OSError)",
+                "unknown": "no such model on the Hugging Face Hub"}[how]
+    result = _invoke("run", "--model", "nobody/no-such-model", "-o", str(run))
+    _one_line_error(result, f"model 'nobody/no-such-model' {expected}".replace("' no such", "': no such"))
+    assert not run.exists()
+    assert asked == ([] if how == "HF_HUB_OFFLINE" else [("nobody/no-such-model", 10)])
+
+
+def test_device_cuda_without_a_gpu_writes_no_config(tmp_path):
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("torch sees a CUDA GPU here: device = cuda is valid")
+    run = tmp_path / "run"
+    _one_line_error(_invoke("run", *TINY, "--set", "device=cuda", "-o", str(run)), "device = cuda, but torch")
+    assert not run.exists()

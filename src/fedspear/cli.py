@@ -34,6 +34,59 @@ def _fail(message: str) -> None:
     raise typer.Exit(code=2)
 
 
+def check_output(path: Path | str, what: str, *, folder: bool) -> None:
+    """Refuse, before any work starts, an output path that cannot be written: a folder that is an existing file (or
+    a file that is an existing folder), a parent that is a file, or a place without write permission (a read-only
+    file system). Nothing is created.
+
+    Raises:
+        ConfigError: naming ``what`` (the flag or key), the path and the fix.
+    """
+    import os
+
+    path = Path(path)
+    if path.exists() and folder and not path.is_dir():
+        raise ConfigError(f"{what} {path} is an existing file, not a folder; give a folder path")
+    if path.is_dir() and not folder:
+        raise ConfigError(f"{what} {path} is a folder; give a file path, e.g. {path / 'eval.json'}")
+    place = path if folder and path.is_dir() else path.parent
+    while not place.exists() and place != place.parent:  # the nearest part that exists: where the folders go
+        place = place.parent
+    if not place.is_dir():
+        raise ConfigError(f"{what} {path}: {place} is a file, not a folder; give another path")
+    if not os.access(place, os.W_OK | os.X_OK):
+        raise ConfigError(f"{what} {path}: cannot write in {place} (read-only file system or no permission); "
+                          "give another path")
+
+
+def check_hub_model(model: str) -> None:
+    """For a hub id (``org/name``) that is not in the local Hugging Face cache, fail at once where it cannot be
+    fetched, instead of after transformers' retries: with ``HF_HUB_OFFLINE`` set, or when the Hub does not answer
+    in 10 s or does not know the id. Needs the network only when the model is not cached.
+
+    Raises:
+        ModelError: naming the id and what to do.
+    """
+    from huggingface_hub import constants, model_info, try_to_load_from_cache
+    from huggingface_hub.errors import RepositoryNotFoundError
+
+    from .runtime.model_zoo import ModelError
+
+    if isinstance(try_to_load_from_cache(model, "config.json"), str):
+        return
+    if constants.HF_HUB_OFFLINE:
+        raise ModelError(f"model {model!r} is not in the Hugging Face cache and HF_HUB_OFFLINE is set: fetch it once "
+                         "with network, or use a packaged model or a local folder")
+    try:
+        model_info(model, timeout=10)
+    except RepositoryNotFoundError:
+        raise ModelError(f"model {model!r}: no such model on the Hugging Face Hub (or it is private: "
+                         "`hf auth login`)") from None
+    except Exception as err:  # noqa: BLE001 - any failure to ask the Hub (DNS, TLS, timeout, HTTP) means the same
+        raise ModelError(f"model {model!r} is not in the Hugging Face cache and the Hub cannot be reached "
+                         f"({type(err).__name__}); connect, or use a packaged model or a local folder") from None
+
+
 def preflight(cfg: RunConfig) -> None:
     """Check in this process, before any engine starts, that the task data and the model can be found.
 
@@ -43,10 +96,13 @@ def preflight(cfg: RunConfig) -> None:
     import importlib.util
 
     from .tasks import load_split
+    from .runtime.model import resolve_device
     from .runtime.model_zoo import TINY_MODEL, resolve_model_dir
     from .rundir import RunDir
     from .tasks import get_task
 
+    check_output(cfg.output_dir, "output_dir", folder=True)
+    resolve_device(cfg.device)
     task = get_task(cfg.task)
     if cfg.data_dir and not Path(cfg.data_dir).is_dir():
         raise ConfigError(f"data_dir: {cfg.data_dir} is not a directory")
@@ -63,8 +119,8 @@ def preflight(cfg: RunConfig) -> None:
 
     # every client computes this split; an impossible one must stop the run here, not inside each client's round
     dirichlet_partitions(train[:n], cfg.num_clients, cfg.dirichlet_alpha, cfg.seed, cfg.partitioner)
-    if cfg.model != TINY_MODEL:
-        resolve_model_dir(cfg.model)
+    if cfg.model != TINY_MODEL and resolve_model_dir(cfg.model) == cfg.model and not Path(cfg.model).exists():
+        check_hub_model(cfg.model)
     if cfg.dp != "off" and cfg.dp_noise_multiplier > 0:  # z = 0 composes nothing: no accountant needed
         if importlib.util.find_spec("dp_accounting") is None:
             raise ConfigError(f'dp = "{cfg.dp}" reports ε with Flower\'s privacy accountant, which needs '
@@ -125,6 +181,8 @@ def run(
         preflight(cfg)
     except (ConfigError, DataError, ModelError, RunDirError, ValueError) as err:
         _fail(str(err))
+    except OSError as err:  # a folder that check_output could not foresee (a special file system)
+        _fail(f"{err.filename or cfg.output_dir}: {err.strerror or err}")
     _run(cfg, verbose)
 
 
@@ -286,6 +344,10 @@ def compare(
     except ConfigError as err:
         _fail(str(err))
     output = output_dir or Path("runs") / f"compare-{preset or grid_file.stem}"
+    try:
+        check_output(output, "--output-dir", folder=True)
+    except ConfigError as err:
+        _fail(str(err))
     command = "fedspear compare " + " ".join(sys.argv[2:]) if len(sys.argv) > 2 else "fedspear compare"
     started_file = output / "started.txt"
     if not summary_only:
@@ -370,6 +432,8 @@ def _eval_lm_eval(cfg: RunConfig, adapter: Path | None, round_: int | None, targ
         raise ConfigError(f"--harness lm-eval scores {cfg.task}'s {expected} split only")
     if cfg.model == TINY_MODEL:
         raise ConfigError("--harness lm-eval loads a model folder; tiny-random exists only in memory")
+    output = output or default_eval_output(cfg, adapter, round_, "lm-eval", expected)
+    check_output(output, "-o", folder=False)
     device = resolve_device(cfg.device)
     dtype = resolve_dtype(cfg.dtype, device)
     result = evaluate_lm_eval(resolve_model_dir(cfg.model), cfg.task, adapter, data_dir=cfg.data_dir, limit=limit,
@@ -377,7 +441,6 @@ def _eval_lm_eval(cfg: RunConfig, adapter: Path | None, round_: int | None, targ
     import lm_eval
 
     split = expected
-    output = output or default_eval_output(cfg, adapter, round_, "lm-eval", split)
     n = result["n"]
     for key in ("acc", "acc_norm"):
         result[f"{key}_low"], result[f"{key}_high"] = wilson_interval(round(result[key] * n), n)
@@ -522,13 +585,14 @@ def eval_(
                               "--limit N scores the first N)")
         if harness == "lm-eval":
             return _eval_lm_eval(cfg, adapter, round_, target, split, limit, output)
+        output = output or default_eval_output(cfg, adapter, round_, "eval", split or get_task(cfg.task).EVAL_SPLIT)
+        check_output(output, "-o", folder=False)  # before the evaluation, not after it
         arrays = load_adapter_folder(adapter) if adapter is not None else None
         evaluator = Evaluator(cfg, split, limit=limit)
         answers: list[dict] = []
         metrics = evaluator(arrays if arrays is not None else evaluator.initial_adapter(), answers=answers)
     except (ConfigError, DataError, ModelError, RunDirError, ValueError) as err:
         _fail(str(err))
-    output = output or default_eval_output(cfg, adapter, round_, "eval", evaluator.split)
     result = {"command": "fedspear " + " ".join(sys.argv[1:]), "target": str(target) if target else None,
               "adapter": str(adapter) if adapter is not None else None, "round": round_, "model": cfg.model,
               "dtype": evaluator.dtype_used, "task": cfg.task, "split": evaluator.split,

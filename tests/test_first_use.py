@@ -160,3 +160,42 @@ def test_device_cuda_without_a_gpu_writes_no_config(tmp_path):
     run = tmp_path / "run"
     _one_line_error(_invoke("run", *TINY, "--set", "device=cuda", "-o", str(run)), "device = cuda, but torch")
     assert not run.exists()
+
+
+def _commands():
+    import typer
+
+    from fedspear.cli import app
+
+    def walk(command, path):
+        yield path, command
+        for name, sub in getattr(command, "commands", {}).items():
+            yield from walk(sub, [*path, name])
+
+    return list(walk(typer.main.get_command(app), []))
+
+
+def test_every_help_text_survives_rich_markup():
+    """Help is rendered as rich markup: a literal ``[`` must be written ``\\[`` or rich takes ``[harness]`` for a
+    style and drops it ("extra )"). Every command's and parameter's help, rendered, keeps its text."""
+    from rich.text import Text
+
+    eaten = []
+    for path, command in _commands():
+        texts = [command.help or ""] + [getattr(p, "help", None) or "" for p in command.params]
+        for text in texts:
+            if Text.from_markup(text).plain != text.replace("\\[", "["):
+                eaten.append((" ".join(path), text))
+    assert eaten == []
+
+
+def test_help_shows_brackets_and_positional_arguments():
+    """``eval --harness`` keeps "extra [harness]", ``compare --grid`` its "[axes], [base]", and each positional
+    argument's help is printed (typer 0.20 under click 8.5 dropped it; ``fedspear.cli._keep_argument_help``)."""
+    wide = {"COLUMNS": "250"}
+    out, _ = _cli("eval", "--help", env=wide)
+    assert "extra [harness])" in out.stdout
+    assert "a run directory (its last round's adapter)" in out.stdout
+    assert "seeds, [axes], [base])" in _cli("compare", "--help", env=wide)[0].stdout
+    assert "an opt-in model, e.g. qwen2.5-coder-1.5b" in _cli("models", "install", "--help", env=wide)[0].stdout
+    assert "folder for ca.pem" in _cli("certs", "--help", env=wide)[0].stdout

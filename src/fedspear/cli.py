@@ -20,6 +20,23 @@ import typer
 
 from .config import ConfigError, RunConfig, load_config, parse_assignments
 
+def _keep_argument_help() -> None:
+    """Show positional arguments' help: typer 0.20 stores ``help`` on its argument before calling click's
+    constructor, which since click 8.5 (where ``click.Argument`` takes ``help`` itself) sets it back to None. Help
+    text is rich markup here: a literal ``[`` is written ``\\[`` (tests/test_first_use.py checks every help text)."""
+    init = typer.core.TyperArgument.__init__
+    if getattr(init, "keeps_help", False):
+        return
+
+    def __init__(self, *args, help: str | None = None, **kwargs) -> None:
+        init(self, *args, help=help, **kwargs)
+        self.help = help
+
+    __init__.keeps_help = True
+    typer.core.TyperArgument.__init__ = __init__
+
+
+_keep_argument_help()
 app = typer.Typer(add_completion=False, pretty_exceptions_show_locals=False, no_args_is_help=True,
                   help="Online federated fine-tuning from feedback (SPEAR).")
 
@@ -310,7 +327,7 @@ def compare(
     preset: Optional[str] = typer.Option(None, help="a built-in grid: cpu-small | cpu-qwen1.5b | cpu-qwen1.5b-sqa | "
                                          "paper | tiny"),
     grid_file: Optional[Path] = typer.Option(None, "--grid",
-                                             help="TOML grid (tasks, algorithms, seeds, [axes], [base])"),
+                                             help="TOML grid (tasks, algorithms, seeds, \\[axes], \\[base])"),
     tasks: Optional[str] = typer.Option(None, help="comma-separated tasks (overrides the preset's)"),
     algorithms: Optional[str] = typer.Option(None, help="comma-separated algorithms (overrides the preset's)"),
     seeds: Optional[str] = typer.Option(None, help="comma-separated seeds (overrides the preset's)"),
@@ -552,7 +569,7 @@ def eval_(
     output: Optional[Path] = typer.Option(None, "--output", "-o", help="JSON file to write (default: <run dir>/eval/ "
                                           "for a run's adapter, else ./eval-<adapter or model>-<task>-<split>.json)"),
     harness: str = typer.Option("fedspear", help="fedspear (SPEC §6) | lm-eval (lm-evaluation-harness's own "
-                                "arc_challenge / hellaswag configs on the shipped data, offline; extra [harness])"),
+                                "arc_challenge / hellaswag configs on the shipped data, offline; extra \\[harness])"),
     limit: Optional[int] = typer.Option(None, help="score only the first N documents of the split, in file order "
                                         "(both harnesses; fedspear's --eval-size / --eval-gen-size then choose "
                                         "within them)", min=1),

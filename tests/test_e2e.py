@@ -50,6 +50,10 @@ def test_run_writes_metrics_report_plots_and_resumes(tmp_path):
     out = tmp_path / "run"
     start = time.time() - 1
     proc = _fedspear(out)
+    # piped, not a terminal: whole lines (no wrapping at 80 columns), no bars — fedspear's or the libraries'
+    header = next(line for line in proc.stderr.splitlines() if line.startswith("fedspear spear"))
+    assert " · 2 rounds · " in header and f"→ {out}" in header
+    assert "━" not in proc.stderr and "Loading weights" not in proc.stderr and "Writing model shards" not in proc.stderr
     addresses = _ray_addresses_since(start)
     assert addresses and all(a.startswith("127.") for a in addresses), addresses  # Ray stays on loopback
     assert "round-0 accuracy: generation" in proc.stdout and "final accuracy (round 2)" in proc.stdout

@@ -172,10 +172,10 @@ def test_bare_adapter_takes_r_and_alpha_from_its_config(run_dir, tmp_path):
     # no --model and no base model folder named in adapter_config.json: asked for, not guessed
     result = _eval(bare, "--eval-size", "2")
     assert result.exit_code == 2 and "a bare adapter needs --model" in result.output
-    # an unwritable output: a message, not a traceback
+    # an unwritable output: a message before the evaluation, not a traceback
     result = _eval(bare, "--model", "tiny-random", "--eval-size", "2", "-o",
                    bare / "adapter_model.safetensors" / "x.json")
-    assert result.exit_code == 2 and "cannot write the result" in result.output
+    assert result.exit_code == 2 and "adapter_model.safetensors is a file, not a folder" in result.output
 
 
 @pytest.mark.parametrize(("args", "fragment"), [

@@ -199,3 +199,85 @@ def test_help_shows_brackets_and_positional_arguments():
     assert "seeds, [axes], [base])" in _cli("compare", "--help", env=wide)[0].stdout
     assert "an opt-in model, e.g. qwen2.5-coder-1.5b" in _cli("models", "install", "--help", env=wide)[0].stdout
     assert "folder for ca.pem" in _cli("certs", "--help", env=wide)[0].stdout
+
+
+def test_libraries_progress_bars_are_silenced_by_their_own_switch(tmp_path, monkeypatch, capfd):
+    """transformers' "Writing model shards" and "Loading weights" bars (what ``make run`` printed between fedspear's
+    lines while exporting and loading SmolLM2) show with the libraries' defaults and not after
+    ``quiet_libraries()`` — which the CLI runs for every command and whose environment switch the engine's workers
+    inherit; fedspear's own progress (rich) is not tqdm and stays."""
+    import huggingface_hub
+    import transformers
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from fedspear.cli import quiet_libraries
+
+    def save_and_load(folder):
+        config = LlamaConfig(vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                             num_attention_heads=2, num_key_value_heads=2)
+        LlamaForCausalLM(config).save_pretrained(folder)
+        LlamaForCausalLM.from_pretrained(folder)
+        return capfd.readouterr().err
+
+    monkeypatch.delenv("HF_HUB_DISABLE_PROGRESS_BARS", raising=False)
+    transformers.utils.logging.enable_progress_bar()
+    huggingface_hub.utils.enable_progress_bars()
+    try:
+        loud = save_and_load(tmp_path / "a")
+        assert "Writing model shards" in loud and "Loading weights" in loud
+        quiet_libraries()
+        assert os.environ["HF_HUB_DISABLE_PROGRESS_BARS"] == "1"  # what the engine's workers inherit
+        quiet = save_and_load(tmp_path / "b")
+        assert "Writing model shards" not in quiet and "Loading weights" not in quiet
+    finally:
+        transformers.utils.logging.enable_progress_bar()
+        huggingface_hub.utils.enable_progress_bars()
+
+
+def test_console_without_a_terminal_keeps_lines_whole():
+    """Piped to a file, a 200-character line stays one line (rich would wrap it at 80 columns mid-field)."""
+    import io
+
+    from fedspear.cli import rounds_text, stderr_console
+
+    console = stderr_console()
+    console.file = io.StringIO()
+    assert not console.is_terminal and console.soft_wrap
+    line = "round 1: " + " ".join(f"field_{i}=0.123" for i in range(20))
+    console.print(line, markup=False)
+    assert console.file.getvalue() == line + "\n"
+    assert (rounds_text(1), rounds_text(0), rounds_text(4)) == ("1 round", "0 rounds", "4 rounds")
+
+
+def test_log_records_print_above_live_bars_not_onto_them(monkeypatch):
+    """In a terminal, a warning logged while the bars are live goes through rich's console (printed above the bars,
+    on a line of its own) rather than straight onto the terminal's current row."""
+    import io
+    import logging
+
+    from rich.console import Console
+    from rich.progress import Progress
+
+    from fedspear.cli import LogsAboveBars
+
+    terminal = io.StringIO()
+    monkeypatch.setattr(sys, "stderr", terminal)  # the process's stderr: what a StreamHandler made now holds
+    handler = logging.StreamHandler()
+    logger = logging.getLogger("fedspear.test-bars")
+    logger.addHandler(handler)
+    logger.propagate = False
+    try:
+        console = Console(file=terminal, force_terminal=True, width=60)
+        with Progress(console=console, transient=False) as bars:  # without it: glued onto the bar's row
+            bars.add_task("federated rounds", total=2)
+            logger.warning("client 2 dropped")
+        assert "\x1b[0mclient 2 dropped\n" in terminal.getvalue()
+        with Progress(console=console, transient=False) as bars, LogsAboveBars() as moved:
+            bars.add_task("federated rounds", total=2)
+            assert [h for h, _ in moved.moved] == [handler] and handler.stream is sys.stderr
+            logger.warning("client 3 dropped")
+        assert handler.stream is terminal  # pointed back
+    finally:
+        logger.removeHandler(handler)
+    # rich erased the bar's row (ESC[2K) and printed the record on it, then redrew the bar below
+    assert "\r\x1b[2Kclient 3 dropped\n" in terminal.getvalue()

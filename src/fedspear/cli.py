@@ -44,6 +44,69 @@ app = typer.Typer(add_completion=False, pretty_exceptions_show_locals=False, no_
 @app.callback()
 def _root() -> None:
     """fedspear: SPEAR on Flower."""
+    quiet_libraries()
+
+
+def quiet_libraries() -> None:
+    """Keep the libraries' own progress bars (transformers' "Loading weights …" and "Writing model shards …",
+    huggingface_hub's downloads) out of fedspear's output, by their own switch: ``HF_HUB_DISABLE_PROGRESS_BARS=1``,
+    which huggingface_hub reads and transformers follows (``transformers.utils.logging``), for this process and the
+    engine's workers it starts (they inherit it). A value the user set is kept (``=0`` shows the bars again). Where
+    the libraries are already imported, their switches are flipped too. fedspear's own progress is rich, not tqdm.
+    """
+    import os
+
+    if "HF_HUB_DISABLE_PROGRESS_BARS" in os.environ:
+        return
+    os.environ["HF_HUB_DISABLE_PROGRESS_BARS"] = "1"
+    if "huggingface_hub" in sys.modules:
+        sys.modules["huggingface_hub"].utils.disable_progress_bars()
+    if "transformers" in sys.modules:
+        sys.modules["transformers"].utils.logging.disable_progress_bar()
+
+
+def stderr_console():
+    """The console fedspear's own lines and bars go to (stderr). Without a terminal (a log file, CI) its lines are
+    not wrapped at 80 columns (``grep`` finds whole lines) and its bars are not drawn (see ``_run``)."""
+    from rich.console import Console
+
+    console = Console(stderr=True)
+    console.soft_wrap = not console.is_terminal
+    return console
+
+
+def rounds_text(n: int) -> str:
+    return f"{n} round" if n == 1 else f"{n} rounds"
+
+
+class LogsAboveBars:
+    """While a rich ``Progress`` is live in a terminal, log records (fedspear's, Flower's, transformers') go through
+    its console and print above the bars instead of onto a bar's row: each stream handler that writes to the stderr
+    rich redirects (``FileProxy.rich_proxied_file``) is pointed at the proxy, and pointed back on exit."""
+
+    def __init__(self):
+        self.moved = []
+
+    def __enter__(self) -> "LogsAboveBars":
+        import logging
+
+        proxy = sys.stderr
+        real = getattr(proxy, "rich_proxied_file", None)
+        if real is None:  # no live display redirects stderr (no terminal): nothing to move
+            return self
+        loggers = [logging.getLogger(), *(v for v in logging.Logger.manager.loggerDict.values()
+                                          if isinstance(v, logging.Logger))]
+        for handler in {h for logger in loggers for h in logger.handlers}:
+            if (isinstance(handler, logging.StreamHandler) and not isinstance(handler, logging.FileHandler)
+                    and handler.stream in (real, sys.__stderr__)):
+                self.moved.append((handler, handler.setStream(proxy)))
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for handler, stream in self.moved:
+            if stream is not None:
+                handler.setStream(stream)
+        self.moved.clear()
 
 
 def _fail(message: str) -> None:
@@ -260,7 +323,6 @@ class PhaseWatcher:
 
 
 def _run(cfg: RunConfig, verbose: bool) -> None:
-    from rich.console import Console
     from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
     from .fl.partition import PartitionError
@@ -270,7 +332,7 @@ def _run(cfg: RunConfig, verbose: bool) -> None:
     from .rundir import EmptyRoundError, RunDir, RunDirError
     from .tasks.base import DataError
 
-    console = Console(stderr=True)
+    console = stderr_console()
     try:
         device = resolve_device(cfg.device)
     except ModelError as err:
@@ -280,7 +342,7 @@ def _run(cfg: RunConfig, verbose: bool) -> None:
     console.print(
         f"[bold]fedspear[/] {cfg.algorithm} · {cfg.task} · model {cfg.model} · "
         f"{resolve_dtype(cfg.dtype, device)} on {device} · "
-        f"{cfg.rounds} rounds · {cfg.num_clients} clients ({cfg.clients_per_round}/round) · "
+        f"{rounds_text(cfg.rounds)} · {cfg.num_clients} clients ({cfg.clients_per_round}/round) · "
         f"{cfg.rollouts_per_round} rollouts · N={cfg.max_revisions} · μ={cfg.mu} τ={resolved.tau} "
         f"λ_w={cfg.lambda_w} λ_l={cfg.lambda_l} · seed {cfg.seed} → {cfg.output_dir}"
         + (f" · DP {cfg.dp}-side C={cfg.dp_clip_norm:g} z={cfg.dp_noise_multiplier:g} δ={cfg.dp_delta:g}"
@@ -290,7 +352,8 @@ def _run(cfg: RunConfig, verbose: bool) -> None:
         console.print(f"resuming after round {done}", soft_wrap=True)
     start = time.perf_counter()
     with Progress(TextColumn("{task.description}"), BarColumn(), TextColumn("{task.fields[count]}"),
-                  TimeElapsedColumn(), console=console, transient=False) as progress:
+                  TimeElapsedColumn(), console=console, transient=False, disable=not console.is_terminal) as progress, \
+            LogsAboveBars():
         bar = progress.add_task("federated rounds", total=cfg.rounds, completed=done or 0,
                                 count=f"{done or 0}/{cfg.rounds} rounds")
 
@@ -302,7 +365,7 @@ def _run(cfg: RunConfig, verbose: bool) -> None:
             progress.update(bar, completed=record["round"], count=f"{record['round']}/{cfg.rounds} rounds")
 
         if done is not None and done >= cfg.rounds:
-            progress.console.print(f"all {cfg.rounds} rounds already completed in {cfg.output_dir}")
+            progress.console.print(f"all {rounds_text(cfg.rounds)} already completed in {cfg.output_dir}")
         else:
             from .fl.simulation import simulate
 
@@ -344,13 +407,12 @@ def compare(
     import contextlib
     import datetime
 
-    from rich.console import Console
     from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
     from .experiments.compare.grid import PRESETS, load_grid, run_grid
     from .experiments.compare.summary import summarise
 
-    console = Console(stderr=True)
+    console = stderr_console()
     try:
         if (preset is None) == (grid_file is None):
             raise ConfigError("give exactly one of --preset or --grid")

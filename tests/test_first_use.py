@@ -281,3 +281,11 @@ def test_log_records_print_above_live_bars_not_onto_them(monkeypatch):
         logger.removeHandler(handler)
     # rich erased the bar's row (ESC[2K) and printed the record on it, then redrew the bar below
     assert "\r\x1b[2Kclient 3 dropped\n" in terminal.getvalue()
+
+
+def test_models_list_names_tiny_random():
+    done, _ = _cli("models", "list")
+    assert done.returncode == 0, done.stderr
+    lines = done.stdout.splitlines()
+    assert lines[0].startswith("tiny-random ") and "built-in" in lines[0]
+    assert any(line.startswith("smollm2-135m ") for line in lines)

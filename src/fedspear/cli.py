@@ -630,14 +630,16 @@ def eval_(
     set_: list[str] = typer.Option([], "--set", help="any other run key: --set max_new_tokens=512"),
     output: Optional[Path] = typer.Option(None, "--output", "-o", help="JSON file to write (default: <run dir>/eval/ "
                                           "for a run's adapter, else ./eval-<adapter or model>-<task>-<split>.json)"),
-    harness: str = typer.Option("fedspear", help="fedspear (SPEC §6) | lm-eval (lm-evaluation-harness's own "
-                                "arc_challenge / hellaswag configs on the shipped data, offline; extra \\[harness])"),
+    harness: str = typer.Option("fedspear", help="fedspear (a run's own evaluation) | lm-eval "
+                                "(lm-evaluation-harness's own arc_challenge / hellaswag configs on the shipped data, "
+                                "offline; extra \\[harness])"),
     limit: Optional[int] = typer.Option(None, help="score only the first N documents of the split, in file order "
                                         "(both harnesses; fedspear's --eval-size / --eval-gen-size then choose "
                                         "within them)", min=1),
 ) -> None:
-    """Evaluate the base model, a saved adapter or a run's final adapter by fedspear's protocol (SPEC §6): the same
-    code as a run's own evaluation. Writes JSON with per-item answers; prints accuracy with its 95% interval."""
+    """Evaluate the base model, a saved adapter or a run's final adapter by fedspear's protocol (greedy-generation and
+    log-likelihood accuracy; docs/paper_index.md): the same code as a run's own evaluation. Writes JSON with per-item
+    answers; prints accuracy with its 95% interval."""
     from .evaluation import Evaluator
     from .report import accuracy_text
     from .runtime.model_zoo import ModelError
@@ -817,8 +819,11 @@ app.add_typer(models_app, name="models")
 @models_app.command("list")
 def models_list() -> None:
     """Packaged models and whether they are installed here."""
-    from .runtime.model_zoo import PACKAGED_MODELS, SPLIT_MODELS, ModelError, packaged_gguf, split_part_paths
+    from .runtime.model_zoo import (PACKAGED_MODELS, SPLIT_MODELS, TINY_MODEL, ModelError, packaged_gguf,
+                                    split_part_paths)
 
+    print(f"{TINY_MODEL:22s} built-in  a randomly initialised 2-layer Llama made in memory (learns nothing; for trying "
+          "commands and settings in seconds)")
     for name in PACKAGED_MODELS:
         try:
             status = f"installed ({packaged_gguf(name)})"

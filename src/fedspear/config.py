@@ -100,7 +100,7 @@ class RunConfig:
     algorithm: str = field(
         default="spear",
         metadata=_meta(
-            "client algorithm: spear (paper), or the baselines feedback_sft, grpo, opsd, rltf_sd (SPEC §5)",
+            "client algorithm: spear (paper), or the baselines feedback_sft, grpo, opsd, rltf_sd (paper §5)",
             choices=list(ALGORITHM_NAMES),
         ),
     )
@@ -544,7 +544,7 @@ class RunConfig:
     data_dir: str | None = field(
         default=None,
         metadata=_meta(
-            "folder with full offline copies (laid out like shared/data)",
+            "folder with full offline copies (laid out like src/fedspear/data; README: Data)",
         ),
     )
     skip_bad_records: bool = field(

@@ -8,9 +8,10 @@ Source: SPEAR (arXiv 2605.07977), appendix "Detailed Hyperparameter Setup", the 
 ``tab:qwen1.5b_hparams`` (SPEAR; Feedback SFT has no table of its own and runs SPEAR's, as it shares SPEAR's
 interaction), ``tab:qwen1.5b_grpo_hparams``, ``tab:qwen1.5b_opsd_hparams`` and ``tab:qwen1.5b_rltfsd_hparams``.
 ``TABLES`` holds them row by row in the paper's own row names and column order; ``paper_settings`` maps rows to
-``RunConfig`` keys (``ROW_KEYS``). ``tests/test_paper_settings.py`` reads the tables out of the paper's LaTeX and
-checks both. The Llama-3.2-3B tables differ only in batch size × accumulation (ARC-Challenge and HellaSwag: 8 × 2
-for SPEAR and OPSD) and are not a preset.
+``RunConfig`` keys (``ROW_KEYS``). ``tests/test_paper_settings.py`` reads the tables out of a verbatim copy of their
+LaTeX (``tests/data/paper_tables.tex``; checked against the paper's source where it is present) and checks both.
+The Llama-3.2-3B tables differ only in batch size × accumulation (ARC-Challenge and HellaSwag: 8 × 2 for SPEAR and
+OPSD) and are not a preset.
 
 What the tables do not say, and what fedspear takes (**Decision**, 2026-11-25, issue 16):
 

@@ -83,7 +83,8 @@ def test_summary_gathers_every_step(tmp_path):
                                                      "round-compiled": {"status": "skipped: no key", "seconds": 0}}))
     (tmp_path / "round-eager.json").write_text(json.dumps({"prompts": 32, "rounds": [
         {"round": 1, "seconds": 20.0, "seconds_generate_initial": 12.0, "seconds_generate_revisions": 3.0,
-         "seconds_train": 1.5, "tokens_generated": 14336, "peak_gpu_gib": 16.46}]}))
+         "seconds_train": 1.5, "tokens_generated": 14336, "peak_gpu_gib": 16.46},
+        {"round": 2, "seconds": 10.0}]}))
     (tmp_path / "bench.json").write_text(json.dumps({"throughput": {
         "prefill": {"utilisation": 0.14}, "train": {"utilisation": 0.04},
         "decode": {"batch_32": {"tokens_per_s": 640.0, "utilisation": 0.04}}}}))
@@ -95,4 +96,9 @@ def test_summary_gathers_every_step(tmp_path):
     assert ("round-eager: 32 prompts, round 1 20.0 s (generation 15.0 s, training 1.5 s, 14336 tokens, peak 16.5 GiB)"
             in text)
     assert "decode batch 32 50.0 ms/step (4% of bandwidth)" in text
-    assert json.loads((tmp_path / "cuda-x-gpu-check.json").read_text())["kind"] == "cuda-x"
+    # issue 40's targets where measured: 50.0 ms > 12 (no), round 2 (warm) 10.0 s ≤ 12 (yes), 4% < 25%, 14% < 40%
+    assert "| decode at batch 32 ≤ 12 ms per step | 55.7 ms | 50.0 ms | **no** |" in text
+    assert "| LoRA training ≥ 25% of the bf16 matmul bound | 4% | 4% | **no** |" in text
+    assert "| paper-preset StrategyQA client-round ≤ 12 s warm (round-eager) | 55.3 s | 10.0 s | yes |" in text
+    result = json.loads((tmp_path / "cuda-x-gpu-check.json").read_text())
+    assert result["kind"] == "cuda-x" and len(result["targets"]) == 4

@@ -329,7 +329,10 @@ def summary(args) -> int:
         path = folder / f"{name}.json"
         if path.exists():
             out[name] = json.loads(path.read_text())
-    lines = [f"# scripts/gpu_check.sh — {args.kind}, {out['date']}", "",
+    out["dry_run"] = args.dry_run
+    lines = [f"# scripts/gpu_check.sh{' --dry-run' if args.dry_run else ''} — {args.kind}, {out['date']}", "",
+             *(["A dry run: every step's path at toy sizes on a CPU; its figures measure nothing.", ""]
+               if args.dry_run else []),
              f"fedspear {args.commit}; steps (status, seconds):", "", "| step | status | seconds |", "|---|---|---|",
              *[f"| {k} | {v['status']} | {v['seconds']} |" for k, v in out["steps"].items()], ""]
     for name in ("round-eager", "round-compiled"):
@@ -348,7 +351,7 @@ def summary(args) -> int:
             [f"prefill {bench['prefill']['utilisation']:.0%} of matmul", f"training {bench['train']['utilisation']:.0%}"
              " of matmul"] + [f"decode {k.replace('_', ' ')} {1e3 * int(k.split('_')[1]) / v['tokens_per_s']:.1f} "
                               f"ms/step ({v['utilisation']:.0%} of bandwidth)" for k, v in decode.items()]))
-    rows = targets(out)
+    rows = [] if args.dry_run else targets(out)
     if rows:
         lines += ["", "Targets (issue 40; baseline: one H100, fedspear ea2bbe6, 2026-11-27):", "",
                   "| target | baseline | measured | met |", "|---|---|---|---|",
@@ -386,6 +389,7 @@ def main() -> int:
     p.add_argument("--commit", default="unknown")
     p.add_argument("--steps")
     p.add_argument("--out", required=True)
+    p.add_argument("--dry-run", action="store_true", help="figures of a toy-sized CPU run: no targets judged")
     args = parser.parse_args()
     return {"prepare": prepare, "random-model": random_model, "round": client_round, "flwr-install": flwr_install,
             "summary": summary}[args.command](args)

@@ -110,19 +110,22 @@ def prepare(args) -> int:
     """Fill the bundle (see the module docstring); prints what went in and its size."""
     bundle = Path(args.bundle).resolve()
     scratch = bundle / ".scratch"
-    shutil.rmtree(bundle / "exports", ignore_errors=True)
     scratch.mkdir(parents=True, exist_ok=True)
     from fedspear.runtime.model_zoo import resolve_model_dir
 
-    size = _export_files(Path(resolve_model_dir(SMOLLM2)), bundle / "exports" / SMOLLM2)
-    _say(f"exports/{SMOLLM2}: config and tokenizer, {size / 2**20:.1f} MiB (the tiny-random model's tokenizer)")
-    qwen = _qwen_source(args.qwen_from, scratch)
-    if qwen is None:
-        _say(f"exports/{QWEN}: not made — the GPU check will skip the Qwen-shaped steps "
-             f"(install it here: fedspear models install {QWEN}, then prepare again)")
-    else:
-        size = _export_files(qwen, bundle / "exports" / QWEN)
-        _say(f"exports/{QWEN}: config and tokenizer from {qwen}, {size / 2**20:.1f} MiB")
+    sources = {SMOLLM2: Path(resolve_model_dir(SMOLLM2)), QWEN: _qwen_source(args.qwen_from, scratch)}
+    for name, source in sources.items():
+        target = bundle / "exports" / name
+        if source is not None and source.resolve() == target:
+            _say(f"exports/{name}: kept as it is (--qwen-from names it)")
+            continue
+        shutil.rmtree(target, ignore_errors=True)
+        if source is None:
+            _say(f"exports/{name}: not made — the GPU check will skip the Qwen-shaped steps "
+                 f"(install it here: fedspear models install {QWEN}, then prepare again)")
+            continue
+        size = _export_files(source, target)
+        _say(f"exports/{name}: config and tokenizer from {source}, {size / 2**20:.1f} MiB")
     shutil.rmtree(scratch, ignore_errors=True)
 
     wheels = bundle / "wheels"

@@ -102,3 +102,18 @@ def test_summary_gathers_every_step(tmp_path):
     assert "| paper-preset StrategyQA client-round ≤ 12 s warm (round-eager) | 55.3 s | 10.0 s | yes |" in text
     result = json.loads((tmp_path / "cuda-x-gpu-check.json").read_text())
     assert result["kind"] == "cuda-x" and len(result["targets"]) == 4
+
+
+def test_prepare_carries_config_and_tokenizer_but_no_weights(tmp_path):
+    """``prepare --no-wheels`` (no network needed): SmolLM2's export without its weights, Qwen's from ``--qwen-from``
+    (SmolLM2's standing in), the commit, and the size against the 64 MiB a device run carries."""
+    from fedspear.runtime.model_zoo import resolve_model_dir
+
+    bundle = tmp_path / "bundle"
+    proc = _steps("prepare", "--bundle", str(bundle), "--no-wheels", "--qwen-from", resolve_model_dir("smollm2-135m"))
+    assert proc.returncode == 0, proc.stdout + proc.stderr[-2000:]
+    for name in ("smollm2-135m", "qwen2.5-coder-1.5b"):
+        files = {f.name for f in (bundle / "exports" / name).iterdir()}
+        assert {"config.json", "tokenizer.json"} <= files and not [f for f in files if f.endswith(".safetensors")]
+    assert (bundle / "COMMIT").read_text().strip() and not (bundle / "wheels").exists()
+    assert "of the 64 MiB a device run carries" in proc.stdout

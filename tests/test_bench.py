@@ -59,6 +59,16 @@ def _result(kind="zen4-avx2", model="smollm2-135m", per_client_round=40.0, clien
                       "peak_rss_mb": {"client": client_mb, "server": server_mb}}}
 
 
+def _rendered() -> dict:
+    """What ``render`` needs beside the targets' figures (bounds, prefill, training, evaluation)."""
+    return {"date": "d", "bounds": {"matmul_flops_bf16": 1e9, "matmul_flops_fp32": 1e11,
+                                    "memory_bandwidth_bytes_per_s": 3e10},
+            "throughput": {**_result()["throughput"],
+                           "prefill": {"tokens_per_s": 1, "flops": 1e9, "utilisation": 0.5},
+                           "train": {"tokens_per_s": 1, "flops": 1e9, "utilisation": 0.5},
+                           "evaluate": {"items_per_s": 1.0}}}
+
+
 def test_targets_judged_by_hand():
     """Issue 19's targets on made-up figures: decode 45% / 10% of the bound (30% needed: 1,200 of 4,000 tokens/s at
     batch 32, 20 points short); 40 s per client-round = 40 / 66.5 = 0.6015 × (33.25 s needed, 6.75 s more); client
@@ -71,7 +81,8 @@ def test_targets_judged_by_hand():
     assert d32["measured"] == "10% (400 of 4000 tokens/s)"
     assert d32["note"] == "missed by 20% of the bound (needs 1200 tokens/s)"
     r = rows["SPEAR client-round ≤ 0.5 × the authors' 66.5 s"]
-    assert r["measured"] == "40.00 s = 0.602 ×" and r["note"] == "missed: needs ≤ 33.25 s, 6.75 s more"
+    assert r["measured"] == "40.00 s = 0.602 ×" and r["note"] == (
+        "missed: needs ≤ 33.25 s, 6.75 s more; the authors' code on this kind (zen4-avx2, 2026-11-25)")
     assert rows["peak RSS of the client ≤ 2.5 GiB"]["note"] == "missed by 0.43 GiB"
     assert rows["peak RSS of the server ≤ 2.0 GiB"]["met"]
     # the limit named, from the result's own figures: 130 M weights per token (body 100 M + head 25 M + LoRA 5 M),
@@ -97,11 +108,25 @@ def test_targets_judged_by_hand():
     assert {t["target"]: t for t in targets(after)}["peak RSS of the client ≤ 2.5 GiB"]["note"] == (
         "missed by 0.43 GiB; 1.00 GiB stay resident after a round (the model and what the allocator keeps), the "
         "round's working memory adds 1.93 GiB")
-    # on another machine kind the ratio is still given, and called a ratio across machines
-    other = {t["target"]: t for t in targets(_result(kind="zen5-avx512bf16", per_client_round=16.0))}
-    r = other["SPEAR client-round ≤ 0.5 × the authors' 66.5 s"]
-    assert r["met"] and r["measured"] == "16.00 s = 0.241 ×" and "this is zen5-avx512bf16: a ratio across machines" \
-        in r["note"]
+    # the Intel AMX kind has its own reference: 30.4 s / 41.1 s = 0.740 × (not 30.4 / 66.5 = 0.457 ×, the Zen 4's)
+    intel = {t["target"]: t for t in targets(_result(kind="intel-f6m167-avx512bf16", per_client_round=30.4))}
+    r = intel["SPEAR client-round ≤ 0.5 × the authors' 41.1 s"]
+    assert not r["met"] and r["measured"] == "30.40 s = 0.740 ×"
+    assert r["note"] == ("missed: needs ≤ 20.55 s, 9.85 s more; the authors' code on this kind "
+                         "(intel-f6m167-avx512bf16, 2026-11-27)")
+    # a kind without a reference gets no ratio at all
+    other = targets(_result(kind="zen5-avx512bf16", per_client_round=16.0))
+    r = next(t for t in other if "client-round" in t["target"])
+    assert r == {"target": "SPEAR client-round ≤ 0.5 × the authors' code on the same machine kind",
+                 "measured": "16.00 s", "met": None,
+                 "note": "no same-kind reference: the authors' code was timed on zen4-avx2, intel-f6m167-avx512bf16, "
+                         "not on zen5-avx512bf16"}
+    other = {**_result(kind="zen5-avx512bf16", per_client_round=16.0), **_rendered()}
+    other["machine"] = {"kind": "zen5-avx512bf16", "cpu": "c", "threads": 2, "torch": "t"}
+    other["round"] = {**other["round"], "config": {}, "seconds": dict.fromkeys(
+        ("generate_initial", "generate_revisions", "train", "aggregate", "flower_overhead", "evaluate", "round"), 1.0),
+        "flower_overhead_share": 0.1}
+    assert "| 16.00 s | – | no same-kind reference" in render(other)
     # Qwen: only the client has a memory target (10 GiB = 10,240 MiB)
     qwen = targets(_result(model="qwen2.5-coder-1.5b", client_mb=11_059.2))
     assert [t["target"] for t in qwen if "RSS" in t["target"]] == ["peak RSS of the client ≤ 10.0 GiB"]
@@ -114,31 +139,56 @@ def test_targets_judged_by_hand():
     assert result_stem({"machine": {"kind": "zen4-avx2"}, "reference": {"model": "/m/Qwen", "dtype": "auto"},
                         "dtype": "bf16"}, scaling=True) == "zen4-avx2-Qwen-bf16-scaling"
     bench_only = {k: v for k, v in _result().items() if k != "round"}  # `fedspear bench --no-round`: decode only
-    text = render({**bench_only, "date": "d", "machine": {"kind": "zen4-avx2", "cpu": "c", "threads": 2, "torch": "t"},
-                   "bounds": {"matmul_flops_bf16": 1e9, "matmul_flops_fp32": 1e11,
-                              "memory_bandwidth_bytes_per_s": 3e10},
-                   "throughput": {**bench_only["throughput"],
-                                  "prefill": {"tokens_per_s": 1, "flops": 1e9, "utilisation": 0.5},
-                                  "train": {"tokens_per_s": 1, "flops": 1e9, "utilisation": 0.5},
-                                  "evaluate": {"items_per_s": 1.0}}})
+    text = render({**bench_only, **_rendered(),
+                   "machine": {"kind": "zen4-avx2", "cpu": "c", "threads": 2, "torch": "t"}})
     assert "Machine kind: **zen4-avx2** — c, 2 threads, torch t." in text
     assert "| decode batch 32 ≥ 30% of the bandwidth bound | 10% (400 of 4000 tokens/s) | **no** | missed by 20% " \
            "of the bound (needs 1200 tokens/s) |" in text and "client-round" not in text
 
 
-@pytest.mark.parametrize("status, commit", [("", "abc1234"), (" M src/fedspear/generation.py\n", "abc1234+changes")])
-def test_machine_marks_a_commit_whose_package_files_were_changed(monkeypatch, status, commit):
-    """Figures measured from a checkout with uncommitted changes to the package do not claim the bare commit."""
+def _git(cwd: Path, *args: str) -> str:
     import subprocess
 
-    from fedspear.experiments import bench
+    return subprocess.run(["git", "-c", "user.name=t", "-c", "user.email=t@t", *args], cwd=cwd, check=True,
+                          capture_output=True, text=True).stdout.strip()
 
-    def fake_run(args, **kwargs):
-        out = "abc1234\n" if "rev-parse" in args else status
-        return subprocess.CompletedProcess(args, 0, stdout=out, stderr="")
 
-    monkeypatch.setattr(subprocess, "run", fake_run)
-    assert bench.machine()["fedspear_commit"] == commit
+def test_the_commit_named_is_fedspears_own(tmp_path):
+    """A real checkout whose ``src/fedspear`` is the package names its commit (``+changes`` once a tracked file of the
+    package differs); the same source copied into another repository (as the 2026-11-27 GPU run had it) or into a
+    folder outside git is "unknown (installed package)", never the surrounding repository's commit."""
+    from fedspear.experiments.bench import UNKNOWN_COMMIT, source_commit
+
+    repo = tmp_path / "fedspear"
+    package = repo / "src" / "fedspear"
+    package.mkdir(parents=True)
+    (package / "__init__.py").write_text("")
+    _git(repo, "init", "-q")
+    _git(repo, "add", ".")
+    _git(repo, "commit", "-qm", "one")
+    head = _git(repo, "rev-parse", "--short", "HEAD")
+    assert source_commit(package) == head
+    (package / "__init__.py").write_text("x = 1\n")
+    assert source_commit(package) == head + "+changes"
+
+    other = tmp_path / "other"
+    copied = other / ".devbundle" / "fedspear" / "src" / "fedspear"
+    copied.mkdir(parents=True)
+    (copied / "__init__.py").write_text("")
+    (other / "README").write_text("another project")
+    _git(other, "init", "-q")
+    _git(other, "add", "README")
+    _git(other, "commit", "-qm", "other")
+    assert source_commit(copied) == UNKNOWN_COMMIT
+    _git(other, "add", ".")  # tracked there, but its top level is not the package's checkout
+    _git(other, "commit", "-qm", "with the copy")
+    assert source_commit(copied) == UNKNOWN_COMMIT
+
+    outside = tmp_path / "plain" / "src" / "fedspear"
+    outside.mkdir(parents=True)
+    assert source_commit(outside) == UNKNOWN_COMMIT
+    assert source_commit(Path(__file__).resolve().parents[1] / "src" / "fedspear") != UNKNOWN_COMMIT or \
+        not (Path(__file__).resolve().parents[1] / ".git").exists()
 
 
 @pytest.mark.skipif(not Path("/proc/self/clear_refs").exists(), reason="needs Linux's /proc/self/clear_refs")

@@ -89,7 +89,7 @@ def test_bench_quick_prints_every_figure(tmp_path):
     assert json.loads(named.read_text()) == result
     markdown = named.with_suffix(".md").read_text()
     assert f"Machine kind: **{kind}**" in markdown and "| decode batch 32 ≥ 30% of the bandwidth bound |" in markdown
-    assert "| SPEAR client-round ≤ 0.5 × the authors' 66.5 s |" in markdown
+    assert "| SPEAR client-round ≤ 0.5 × the authors' " in markdown  # their figure of this kind, or none
     # progress on stderr, phase by phase, so a long benchmark is never silent
     for line in ("measuring this machine's bounds", "measuring decode at batch 32", "measuring 3 SPEAR rounds",
                  "measuring round 0 of 3 done", "measuring round 3 of 3 done"):

@@ -7,7 +7,12 @@ A CPU-only machine cannot run the GPU path, so two checks stand in for it here:
 - dynamically, a client round of every algorithm and the server's evaluation run on a CPU model with torch's default
   device set to ``meta`` (a device that holds no data): a tensor created without the model's device would land on
   ``meta`` and the round would fail, since a meta tensor cannot meet a CPU one. The trapped round's adapter and metrics
-  equal the same round's without the trap.
+  equal the same round's without the trap. One tensor is torch's own and stays on the CPU: AdamW's step counter,
+  which torch deliberately hosts there (``torch.optim.adam``, "special device hosting for step"). torch 2.13 names
+  ``device="cpu"`` for it; torch 2.11 (the GPU machine's, 2026-11-27) made it with ``torch.tensor(0.0)`` on the
+  default device, so under the trap it landed on ``meta`` and AdamW's ``step_t.item()`` failed ("Tensor.item() cannot
+  be called on meta tensors") — on any machine with that torch, CUDA or not. The trap therefore runs the optimiser's
+  step on the CPU default device (:func:`trap`), as torch ≥ 2.13 does itself.
 
 The GPU run itself carries the ``gpu`` marker: it runs where torch sees a CUDA GPU and is skipped (with that reason
 in pytest's summary) elsewhere.
@@ -16,6 +21,7 @@ in pytest's summary) elsewhere.
 from __future__ import annotations
 
 import ast
+from contextlib import contextmanager
 from pathlib import Path
 
 import numpy as np
@@ -57,6 +63,44 @@ def test_no_tensor_is_placed_on_a_device_named_in_the_code():
         ast.parse("x = torch.zeros(3, device='cpu')\ny = x.to('cuda')\nz = x.cuda()")) == [1, 2, 3]
 
 
+@contextmanager
+def trap():
+    """torch's default device is ``meta`` within the block, except inside ``AdamW.step``: there it stays what it was
+    outside (the CPU), where torch keeps the optimiser's step counter (module docstring); every tensor fedspear
+    makes is still trapped."""
+    outside, step = torch.get_default_device(), torch.optim.AdamW.step
+
+    def step_with_its_counter_outside_the_trap(self, *args, **kwargs):
+        with torch.device(outside):
+            return step(self, *args, **kwargs)
+
+    torch.optim.AdamW.step = step_with_its_counter_outside_the_trap
+    try:
+        with torch.device("meta"):
+            yield
+    finally:
+        torch.optim.AdamW.step = step
+
+
+def _adamw_as_in_torch_2_11(monkeypatch) -> bool:
+    """Make AdamW create its step counter as torch 2.11 did (``torch.tensor(0.0)`` on the default device) by
+    dropping ``device="cpu"`` from this torch's ``Adam._init_group``; False where the source has no such argument
+    (torch < 2.13 already behaves so)."""
+    import inspect
+    import textwrap
+
+    import torch.optim.adam as adam
+
+    source = textwrap.dedent(inspect.getsource(adam.Adam._init_group))
+    old = source.replace('dtype=_get_scalar_dtype(), device="cpu")', "dtype=_get_scalar_dtype())")
+    if old == source:
+        return False
+    namespace: dict = {}
+    exec(compile(old, adam.__file__, "exec"), adam.__dict__, namespace)  # noqa: S102 - torch's own source
+    monkeypatch.setattr(adam.Adam, "_init_group", namespace["_init_group"])
+    return True
+
+
 def _strip(metrics: dict) -> dict:
     """Without timings and memory figures (they differ from run to run)."""
     return {k: v for k, v in metrics.items() if not k.startswith("seconds") and "rss" not in k}
@@ -77,7 +121,7 @@ def test_a_client_round_creates_every_tensor_on_the_models_device(settings, arc_
     start = nonzero_start(worker)
     partition = list(range(6))
     expected = worker.round(worker.loaded, start, partition, 0, 1, 1e-2, feedback_source=Alternate())
-    with torch.device("meta"):
+    with trap():
         trapped = worker.round(worker.loaded, start, partition, 0, 1, 1e-2, feedback_source=Alternate())
     assert trapped[1]["steps"] > 0  # the round trained: every phase ran under the trap
     assert _strip(trapped[1]) == pytest.approx(_strip(expected[1]), nan_ok=True)
@@ -85,6 +129,21 @@ def test_a_client_round_creates_every_tensor_on_the_models_device(settings, arc_
     for name, value in trapped[0].items():  # CPU numpy arrays, the same values
         assert isinstance(value, np.ndarray)
         np.testing.assert_allclose(value, expected[0][name], rtol=0, atol=1e-6)
+
+
+def test_the_trap_holds_with_torch_2_11s_adamw(arc_items, monkeypatch):
+    """torch 2.11's AdamW made its step counter on torch's default device: under a bare ``torch.device("meta")`` a
+    round failed at AdamW's ``step_t.item()`` (the six failures seen on the GPU machine, 2026-11-27); under
+    :func:`trap` it trains and matches the untrapped round."""
+    worker = make_worker(algorithm="spear", lambda_l=0.5, max_revisions=1, device="cpu")
+    start = nonzero_start(worker)
+    _adamw_as_in_torch_2_11(monkeypatch)
+    expected = worker.round(worker.loaded, start, list(range(6)), 0, 1, 1e-2, feedback_source=Alternate())
+    with torch.device("meta"), pytest.raises(RuntimeError, match="meta tensors"):
+        worker.round(worker.loaded, start, list(range(6)), 0, 1, 1e-2, feedback_source=Alternate())
+    with trap():
+        trapped = worker.round(worker.loaded, start, list(range(6)), 0, 1, 1e-2, feedback_source=Alternate())
+    assert trapped[1]["steps"] > 0 and _strip(trapped[1]) == pytest.approx(_strip(expected[1]), nan_ok=True)
 
 
 def test_evaluation_creates_every_tensor_on_the_models_device():
@@ -95,7 +154,7 @@ def test_evaluation_creates_every_tensor_on_the_models_device():
                                       max_new_tokens=4, eval_batch_size=4, device="cpu"))
     adapter = evaluator.initial_adapter()
     expected = evaluator(adapter)
-    with torch.device("meta"):
+    with trap():
         trapped = evaluator(adapter)
     assert _strip(trapped) == _strip(expected) and trapped["n"] == 6 and trapped["n_gen"] == 3
 

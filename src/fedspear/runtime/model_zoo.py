@@ -17,6 +17,11 @@ checks that the last tensor ends exactly at the end of the file, and exports as 
 
 Any Hugging Face hub id or local directory works as ``model`` too; nothing here downloads unless the user names
 a hub id and is online.
+
+``$FEDSPEAR_EXPORTS`` names a folder of exports made elsewhere, one sub-folder per packaged name
+(``<folder>/smollm2-135m/config.json``, …): a packaged model found there is loaded from it, without its package or
+the cache. ``scripts/gpu_check.sh`` carries SmolLM2's and Qwen's config and tokenizer files (no weights) to a
+machine without the packages this way: the tiny-random model needs only SmolLM2's tokenizer.
 """
 
 from __future__ import annotations
@@ -216,6 +221,25 @@ def _export_gguf(gguf: Path, target: Path) -> None:
         shutil.rmtree(tmp, ignore_errors=True)
 
 
+EXPORTS_VARIABLE = "FEDSPEAR_EXPORTS"
+
+
+def exports_dir(model: str) -> Path | None:
+    """``$FEDSPEAR_EXPORTS/<model>`` when the variable is set and that folder exists (the module docstring), else None.
+
+    Raises:
+        ModelError: the folder exists but has no ``config.json``.
+    """
+    root = os.environ.get(EXPORTS_VARIABLE)
+    if not root or not (Path(root) / model).is_dir():
+        return None
+    folder = Path(root) / model
+    if not (folder / "config.json").is_file():
+        raise ModelError(f"{EXPORTS_VARIABLE}: {folder} has no config.json (expected an export of '{model}': "
+                         "config.json and the tokenizer files); remove the folder or unset the variable")
+    return folder
+
+
 def resolve_model_dir(model: str) -> str:
     """Return something ``from_pretrained`` accepts: a cached export of a packaged model, a local dir or a hub id.
 
@@ -223,6 +247,9 @@ def resolve_model_dir(model: str) -> str:
         ModelError: ``model`` is a path that does not exist, or a packaged model whose package is missing.
     """
     if model in PACKAGED_MODELS or model in SPLIT_MODELS:
+        exported = exports_dir(model)
+        if exported is not None:
+            return str(exported)
         gguf = packaged_gguf(model) if model in PACKAGED_MODELS else join_split_gguf(model)
         digest = hashlib.sha1(f"{gguf}:{gguf.stat().st_size}".encode()).hexdigest()[:10]
         target = cache_root() / "models" / f"{model}-{digest}"

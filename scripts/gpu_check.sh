@@ -1,0 +1,205 @@
+#!/usr/bin/env bash
+# fedspear on a bare GPU machine, in one command: does the CUDA path work, and what does a paper-scale client-round
+# cost there? Issue 40 item 4. Three modes:
+#
+#   scripts/gpu_check.sh --prepare   on the CPU machine, first: fills .gpu-bundle/ (git-ignored) with what the GPU
+#                                    machine lacks — SmolLM2's and Qwen2.5-Coder-1.5B's config + tokenizer files (no
+#                                    weights; FEDSPEAR_EXPORTS points fedspear at them), Flower's wheel and its
+#                                    dependencies' for CPython 3.12 (no uv), the commit — and prints its size
+#   scripts/gpu_check.sh             on the GPU machine (its python3 with torch, transformers, peft, pytest, numpy,
+#                                    typer, rich; no network): the steps below, in order of value, within $BUDGET s
+#   scripts/gpu_check.sh --dry-run   on a CPU: every step end to end at toy sizes (the Qwen-shaped model shrunk to
+#                                    2 layers, 8 new tokens), GPU-only parts skipped; results under .gpu-bundle/dry-run
+#
+# Steps (each prints "=== <time> <step>" and ends with "--- <step>: ok | failed | skipped: why", each bounded):
+#   1. env          GPU, driver, torch / transformers / peft versions, bf16
+#   2. setup        fedspear from src/ (PYTHONPATH), exports from the bundle, a `fedspear` command beside python3
+#                   (the tests call it there) when there is none
+#   3. tests        the `gpu`-marked tests and tests/test_device.py
+#   4. model        a random-weight model of Qwen2.5-Coder-1.5B's shape (the export's config.json, from_config)
+#   5. round-eager  two SPEAR client-rounds at `--preset paper --task strategy_qa` (32 prompts, N = 2, 256 tokens,
+#                   5 steps × 16), compile_decode = off when fedspear has that key
+#   6. round-compiled  the same with compile_decode = on; skipped, saying so, where fedspear has no such key
+#   7. bench        `fedspear bench --device cuda --no-round` on it (no Flower needed without the round)
+#   8. flwr-run     a real `fedspear` federation through Flower's deployment engine (examples/deploy-local: a TLS
+#                   SuperLink, 2 SuperNodes, 1 round, tiny-random model on the GPU): Flower installed from the
+#                   carried wheels when missing; skipped, saying why, when they cannot be installed
+#   9. summary      <kind>-gpu-check.json / .md (kind = the GPU's name, e.g. cuda-nvidia-h100-80gb-hbm3) and .log,
+#                   and the bench's <kind>-<model>-bf16.json / .md, written to docs/results/bench/ and copied to $OUT
+#
+# With the `run` tool of this workplace (a copy of the checkout; carried paths travel beside it, 64 MiB in all;
+# results come back from $OUT). First, here: `scripts/gpu_check.sh --prepare` (prints the size), then:
+#   run(command="bash scripts/gpu_check.sh", carry=[".gpu-bundle"], timeout_s=600)
+# and copy the files it returns (files_at) into docs/results/bench/. The script stops starting steps once
+# $BUDGET (default 540 s) is spent, so it ends inside the 600 s; a skipped step says so. ONLY="model bench flwr-run"
+# runs just those steps (setup always; bench and the rounds need model), e.g. in a second call for what was skipped.
+set -u -o pipefail
+cd "$(dirname "$0")/.."
+REPO=$PWD
+MODE=gpu
+case "${1:-}" in
+  "") ;;
+  --prepare) MODE=prepare ;;  # [--qwen-from DIR] [--no-wheels]
+  --dry-run) MODE=dry ;;
+  -h|--help) sed -n '2,/^set -u/p' "$0" | sed '$d'; exit 0 ;;
+  *) echo "usage: scripts/gpu_check.sh [--prepare | --dry-run]  (got '$1')" >&2; exit 2 ;;
+esac
+BUNDLE=${GPU_BUNDLE:-$REPO/.gpu-bundle}
+if [ -n "${PYTHON:-}" ]; then PY=$PYTHON
+elif [ -x "$REPO/.venv/bin/python" ]; then PY=$REPO/.venv/bin/python
+else PY=$(command -v python3); fi
+export PY BUNDLE MODE
+export PYTHONPATH="$REPO/src${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
+export FLWR_TELEMETRY_ENABLED=0 FLWR_DISABLE_UPDATE_CHECK=1
+
+if [ "$MODE" = prepare ]; then
+  shift; exec "$PY" scripts/gpu_check.py prepare --bundle "$BUNDLE" "$@"   # e.g. --qwen-from DIR
+fi
+
+START=$(date +%s)
+BUDGET=${BUDGET:-$([ "$MODE" = dry ] && echo 1800 || echo 540)}  # seconds; a CPU is slower
+S=$(mktemp -d "${TMPDIR:-/tmp}/gpu-check.XXXXXX")     # scratch: the random model, caches, run folders
+RES=$S/results; mkdir -p "$RES"
+LOG=$RES/gpu-check.log
+export FEDSPEAR_CACHE=$S/cache FEDSPEAR_EXPORTS=$BUNDLE/exports S RES
+exec > >(tee "$LOG") 2>&1
+STEPS=$RES/steps.json; echo "{}" > "$STEPS"
+
+left() { echo $(( BUDGET - ($(date +%s) - START) )); }
+cap() { if [ "$MODE" = dry ]; then echo $(( $1 * 2 )); else echo "$1"; fi; }  # a CPU at toy sizes is slower still
+# step NAME CAP COMMAND...: run COMMAND bounded by min(CAP, what is left of the budget); record its status
+step() {
+  local name=$1 cap=$2; shift 2
+  if [ -n "${ONLY:-}" ] && [[ " setup $ONLY " != *" $name "* ]]; then skip "$name" "not asked for (ONLY=$ONLY)"; return 1; fi
+  local limit; limit=$(left); [ "$cap" -lt "$limit" ] && limit=$cap
+  echo; echo "=== $(date +%T) $name (at most ${limit} s)"
+  local t0 status rc; t0=$(date +%s)
+  export STEP_LIMIT=$limit
+  if [ "$limit" -lt 20 ]; then
+    status="skipped: out of the ${BUDGET} s budget"
+  else
+    timeout --kill-after=10 "$limit" "$@"; rc=$?
+    case $rc in
+      0) status=ok ;;
+      3) status="skipped (see above)" ;;
+      124|137) status="failed: timed out after ${limit} s" ;;
+      *) status="failed: exit code $rc" ;;
+    esac
+  fi
+  echo "--- $name: $status"
+  "$PY" - "$STEPS" "$name" "$status" $(( $(date +%s) - t0 )) <<'EOF'
+import json, sys
+path, name, status, seconds = sys.argv[1:]
+steps = json.load(open(path)); steps[name] = {"status": status, "seconds": int(seconds)}
+json.dump(steps, open(path, "w"))
+EOF
+  [ "$status" = ok ]
+}
+skip() { echo; echo "=== $(date +%T) $1"; echo "--- $1: skipped: $2"
+  "$PY" -c "import json,sys; p=sys.argv[1]; s=json.load(open(p)); s[sys.argv[2]]={'status': 'skipped: '+sys.argv[3], 'seconds': 0}; json.dump(s, open(p,'w'))" "$STEPS" "$1" "$2"; }
+
+# 1. env
+echo "=== $(date +%T) env ($MODE mode, python $PY, scratch $S)"
+command -v nvidia-smi >/dev/null && nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
+"$PY" -c "import torch, transformers, peft; c = torch.cuda.is_available(); print('torch', torch.__version__, 'transformers', transformers.__version__, 'peft', peft.__version__, '| cuda', c, torch.cuda.get_device_name() if c else '', '| bf16', torch.cuda.is_bf16_supported() if c else '-')"
+CUDA=$("$PY" -c "import torch; print(int(torch.cuda.is_available()))")
+if [ "$MODE" = gpu ] && [ "$CUDA" != 1 ]; then
+  echo "this machine has no CUDA GPU torch can see: run scripts/gpu_check.sh --dry-run on a CPU" >&2; exit 2
+fi
+KIND=$("$PY" -c "from fedspear.experiments.bench import machine; print(machine(gpu=$CUDA == 1)['kind'])")
+COMMIT=$(cat "$BUNDLE/COMMIT" 2>/dev/null || echo unknown)
+echo "machine kind $KIND; fedspear $COMMIT (bundle made from it; $(ls "$BUNDLE/exports" 2>/dev/null | tr '\n' ' '))"
+[ -d "$BUNDLE/exports/smollm2-135m" ] || { echo "no $BUNDLE/exports/smollm2-135m: run scripts/gpu_check.sh --prepare first (and carry .gpu-bundle)" >&2; exit 2; }
+
+# 2. setup: the tests run `fedspear` from beside the interpreter (Path(sys.executable).with_name("fedspear"))
+FEDSPEAR_CMD=$(dirname "$PY")/fedspear
+if [ ! -x "$FEDSPEAR_CMD" ]; then
+  if [ "$MODE" = gpu ]; then
+    printf '#!%s\nfrom fedspear.cli import app\napp()\n' "$PY" > "$FEDSPEAR_CMD" && chmod +x "$FEDSPEAR_CMD"
+    echo "wrote $FEDSPEAR_CMD (a throwaway machine; the tests call it there)"
+  else
+    echo "no $FEDSPEAR_CMD: the tests that call the command will fail (install fedspear into that Python)"
+  fi
+fi
+step setup 120 "$PY" -c "from fedspear.runtime.model import load_base; m, t, d = load_base('tiny-random'); print('tiny-random on', next(m.parameters()).device, d, '| tokenizer', t.name_or_path)"
+
+# 3. tests: tests/test_device.py whole, and the `gpu`-marked tests of the other files (skipped, with that reason,
+#    where torch sees no GPU); only these files are collected: the others may import Flower, absent there
+run_tests() {
+  local rc=0 others
+  local some=(); [ "$MODE" = dry ] && some=(-k "not client_round_creates or spear-0.5")  # a CPU: one algorithm
+  "$PY" -m pytest -q -p no:cacheprovider -o addopts="" -rfEs tests/test_device.py "${some[@]}" || rc=1
+  others=$(grep -l "pytest.mark.gpu" tests/test_*.py | grep -v "tests/test_device.py")
+  if [ -n "$others" ]; then
+    "$PY" -m pytest -q -p no:cacheprovider -o addopts="" -rfEs -m gpu $others || rc=1
+  fi
+  return $rc
+}
+export -f run_tests
+step tests "$(cap 300)" bash -c run_tests || true
+
+# 4. model: Qwen2.5-Coder-1.5B's shape, random weights (on the CPU: shrunk to 2 layers)
+QWEN_EXPORT=$BUNDLE/exports/qwen2.5-coder-1.5b
+MODEL=$S/qwen2.5-1.5b-shape-random
+if [ -f "$QWEN_EXPORT/config.json" ]; then
+  step model 120 "$PY" scripts/gpu_check.py random-model --from "$QWEN_EXPORT" --out "$MODEL" \
+    $([ "$MODE" = dry ] && echo --tiny) || MODEL=""
+else
+  skip model "no Qwen export in the bundle (scripts/gpu_check.sh --prepare on a machine with qwen2.5-coder-1.5b)"
+  MODEL=""
+fi
+
+# 5-6. paper-preset client-rounds, eager then the compiled decode
+HAS_COMPILE=$("$PY" -c "from fedspear.config import RunConfig; print(int('compile_decode' in RunConfig.__dataclass_fields__))")
+SMALL=$([ "$MODE" = dry ] && echo --small)
+if [ -n "$MODEL" ]; then
+  EAGER=(); [ "$HAS_COMPILE" = 1 ] && EAGER=(--set compile_decode=off)
+  step round-eager 260 "$PY" scripts/gpu_check.py round --model "$MODEL" --task strategy_qa --rounds 2 $SMALL \
+    "${EAGER[@]}" --out "$RES/round-eager.json" || true
+  if [ "$HAS_COMPILE" = 1 ]; then
+    step round-compiled 260 "$PY" scripts/gpu_check.py round --model "$MODEL" --task strategy_qa --rounds 2 $SMALL \
+      --set compile_decode=on --out "$RES/round-compiled.json" || true
+  else
+    skip round-compiled "this fedspear has no compile_decode key (the compiled decode is not merged yet)"
+  fi
+else
+  skip round-eager "no model (step model)"; skip round-compiled "no model (step model)"
+fi
+
+# 7. bench on that model (no round: that needs Flower's simulation, i.e. Ray, which cannot be carried)
+if [ -n "$MODEL" ]; then
+  DEVICE=$([ "$MODE" = gpu ] && echo cuda || echo cpu)
+  step bench 150 "$PY" -c "from fedspear.cli import app; app()" bench --model "$MODEL" --device "$DEVICE" --no-round \
+    $([ "$MODE" = dry ] && echo --quick) --output "$RES/bench.json" --results-dir "$RES" || true
+else
+  skip bench "no model (step model)"
+fi
+
+# 8. a real federation through Flower's deployment engine (no Ray): 1 round, tiny-random on the GPU
+flwr_run() {
+  "$PY" scripts/gpu_check.py flwr-install --wheels "$BUNDLE/wheels" || return 3
+  "$PY" examples/deploy-local/run.py --output-dir "$S/deploy" --model tiny-random --rounds 1 \
+    --rollouts-per-round 2 --eval-size 4 --local-steps 1 --max-new-tokens 8 --train-size 20 \
+    --timeout $(( STEP_LIMIT > 200 ? STEP_LIMIT - 150 : 50 ))   # from the run's submission, after ≤ 100 s of start
+  local rc=$?
+  [ -f "$S/deploy/summary.json" ] && cp "$S/deploy/summary.json" "$RES/flwr-run.json"
+  return $rc
+}
+export -f flwr_run
+step flwr-run "$(cap 240)" bash -c flwr_run || true
+
+# 9. summary, named by machine kind
+echo; echo "=== $(date +%T) summary"
+if [ "$MODE" = gpu ]; then DEST=$REPO/docs/results/bench; else DEST=$BUNDLE/dry-run; fi
+mkdir -p "$DEST"
+"$PY" scripts/gpu_check.py summary --dir "$RES" --kind "$KIND" --commit "$COMMIT" --steps "$STEPS" \
+  --out "$DEST/$KIND-gpu-check" $([ "$MODE" = dry ] && echo --dry-run)
+for f in "$RES"/*-bf16*.json "$RES"/*-bf16*.md "$RES"/*-fp32*.json "$RES"/*-fp32*.md; do
+  [ -f "$f" ] && cp "$f" "$DEST/"
+done
+cp "$LOG" "$DEST/$KIND-gpu-check.log"
+if [ -n "${OUT:-}" ]; then  # the run tool brings back what is under $OUT (8 files at most)
+  cp "$DEST/$KIND-gpu-check".{json,md,log} "$OUT/" 2>/dev/null
+  for f in "$RES"/*-bf16*.json "$RES"/*-bf16*.md "$RES"/round-*.json; do [ -f "$f" ] && cp "$f" "$OUT/"; done
+fi
+echo "results: $DEST/$KIND-gpu-check.{json,md,log}$([ -n "${OUT:-}" ] && echo " (and in \$OUT)"); $(( $(date +%s) - START )) s in all"

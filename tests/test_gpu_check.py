@@ -1,0 +1,119 @@
+"""``scripts/gpu_check.sh`` and its Python steps (``scripts/gpu_check.py``) on the CPU: the script parses, refuses a
+machine without a GPU unless asked for a dry run, and its steps work on their own — a random model of an export's
+shape (shrunk), a paper-preset client-round on it, an unknown config key skipped with a line saying so, the summary.
+The whole dry run (``scripts/gpu_check.sh --dry-run``) takes minutes: it is run by hand, not here."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+SCRIPT = REPO / "scripts" / "gpu_check.sh"
+STEPS = REPO / "scripts" / "gpu_check.py"
+
+
+def _env(**extra: str) -> dict[str, str]:
+    return {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO / "src"), os.environ.get("PYTHONPATH", "")]),
+            "PYTHON": sys.executable, **extra}
+
+
+def _steps(*args: str, **kwargs) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, str(STEPS), *args], capture_output=True, text=True, env=_env(),
+                          timeout=600, **kwargs)
+
+
+def test_the_script_parses_and_says_how_to_use_it():
+    assert subprocess.run(["bash", "-n", str(SCRIPT)]).returncode == 0
+    help_text = subprocess.run(["bash", str(SCRIPT), "--help"], capture_output=True, text=True).stdout
+    assert "--prepare" in help_text and "--dry-run" in help_text and 'carry=[".gpu-bundle"]' in help_text
+    bad = subprocess.run(["bash", str(SCRIPT), "--gpu"], capture_output=True, text=True)
+    assert bad.returncode == 2 and "usage: scripts/gpu_check.sh" in bad.stderr
+
+
+@pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="checks the refusal on a machine without a GPU")
+def test_without_a_gpu_only_the_dry_run_goes_on(tmp_path):
+    proc = subprocess.run(["bash", str(SCRIPT)], capture_output=True, text=True, env=_env(TMPDIR=str(tmp_path)),
+                          timeout=300)
+    assert proc.returncode == 2  # its output goes through the log (stdout)
+    assert "no CUDA GPU torch can see: run scripts/gpu_check.sh --dry-run" in proc.stdout + proc.stderr
+
+
+def test_a_paper_preset_round_on_a_random_model_of_an_exports_shape(tmp_path):
+    """The Qwen step's path with SmolLM2's export standing in for Qwen's (same files: config.json + tokenizer): a
+    random model of its shape shrunk to 2 layers, one client-round at ``--preset paper`` (StrategyQA, 4 prompts,
+    8 new tokens) with feedback alternating right / wrong, so it trains; its JSON names the preset's settings."""
+    from fedspear.config import RunConfig
+    from fedspear.runtime.model_zoo import resolve_model_dir
+
+    model = tmp_path / "random"
+    made = _steps("random-model", "--from", resolve_model_dir("smollm2-135m"), "--out", str(model), "--tiny")
+    assert made.returncode == 0, made.stderr[-2000:]
+    assert "(tiny)" in made.stdout and (model / "tokenizer.json").is_file() and (model / "config.json").is_file()
+    assert json.loads((model / "config.json").read_text())["num_hidden_layers"] == 2
+    out = tmp_path / "round.json"
+    proc = _steps("round", "--model", str(model), "--rounds", "1", "--small", "--out", str(out))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    result = json.loads(out.read_text())
+    (row,) = result["rounds"]
+    assert result["prompts"] == 4 and row["steps"] >= 1 and row["tokens_generated"] > 0
+    assert result["config"]["max_revisions"] == "2" and result["config"]["task"] == "strategy_qa"
+    if "compile_decode" not in RunConfig.__dataclass_fields__:  # before the compiled decode: skipped, not failed
+        skipped = _steps("round", "--model", str(model), "--rounds", "1", "--small", "--set", "compile_decode=on",
+                         "--out", str(tmp_path / "c.json"))
+        assert skipped.returncode == 3 and "skipped: unknown config key(s) compile_decode" in skipped.stdout
+
+
+def test_flwr_is_left_as_it_is_and_a_missing_wheel_is_a_skip(tmp_path):
+    """Where Flower imports, nothing is installed; the wheel folder is looked at only when it does not."""
+    proc = _steps("flwr-install", "--wheels", str(tmp_path))
+    pytest.importorskip("flwr")
+    assert proc.returncode == 0 and "already installed" in proc.stdout
+
+
+def test_summary_gathers_every_step(tmp_path):
+    """Steps' statuses, the rounds (12.0 + 3.0 s of generation, 1.5 s of training) and decode per step from the
+    bench (batch 32 at 640 tokens/s = 50.0 ms per step)."""
+    (tmp_path / "steps.json").write_text(json.dumps({"tests": {"status": "ok", "seconds": 50},
+                                                     "round-compiled": {"status": "skipped: no key", "seconds": 0}}))
+    (tmp_path / "round-eager.json").write_text(json.dumps({"prompts": 32, "rounds": [
+        {"round": 1, "seconds": 20.0, "seconds_generate_initial": 12.0, "seconds_generate_revisions": 3.0,
+         "seconds_train": 1.5, "tokens_generated": 14336, "peak_gpu_gib": 16.46},
+        {"round": 2, "seconds": 10.0}]}))
+    (tmp_path / "bench.json").write_text(json.dumps({"throughput": {
+        "prefill": {"utilisation": 0.14}, "train": {"utilisation": 0.04},
+        "decode": {"batch_32": {"tokens_per_s": 640.0, "utilisation": 0.04}}}}))
+    proc = _steps("summary", "--dir", str(tmp_path), "--kind", "cuda-x", "--commit", "abc", "--steps",
+                  str(tmp_path / "steps.json"), "--out", str(tmp_path / "cuda-x-gpu-check"))
+    assert proc.returncode == 0, proc.stderr
+    text = (tmp_path / "cuda-x-gpu-check.md").read_text()
+    assert "| tests | ok | 50 |" in text and "| round-compiled | skipped: no key | 0 |" in text
+    assert ("round-eager: 32 prompts, round 1 20.0 s (generation 15.0 s, training 1.5 s, 14336 tokens, peak 16.5 GiB)"
+            in text)
+    assert "decode batch 32 50.0 ms/step (4% of bandwidth)" in text
+    # issue 40's targets where measured: 50.0 ms > 12 (no), round 2 (warm) 10.0 s ≤ 12 (yes), 4% < 25%, 14% < 40%
+    assert "| decode at batch 32 ≤ 12 ms per step | 55.7 ms | 50.0 ms | **no** |" in text
+    assert "| LoRA training ≥ 25% of the bf16 matmul bound | 4% | 4% | **no** |" in text
+    assert "| paper-preset StrategyQA client-round ≤ 12 s warm (round-eager) | 55.3 s | 10.0 s | yes |" in text
+    result = json.loads((tmp_path / "cuda-x-gpu-check.json").read_text())
+    assert result["kind"] == "cuda-x" and len(result["targets"]) == 4
+
+
+def test_prepare_carries_config_and_tokenizer_but_no_weights(tmp_path):
+    """``prepare --no-wheels`` (no network needed): SmolLM2's export without its weights, Qwen's from ``--qwen-from``
+    (SmolLM2's standing in), the commit, and the size against the 64 MiB a device run carries."""
+    from fedspear.runtime.model_zoo import resolve_model_dir
+
+    bundle = tmp_path / "bundle"
+    proc = _steps("prepare", "--bundle", str(bundle), "--no-wheels", "--qwen-from", resolve_model_dir("smollm2-135m"))
+    assert proc.returncode == 0, proc.stdout + proc.stderr[-2000:]
+    for name in ("smollm2-135m", "qwen2.5-coder-1.5b"):
+        files = {f.name for f in (bundle / "exports" / name).iterdir()}
+        assert {"config.json", "tokenizer.json"} <= files and not [f for f in files if f.endswith(".safetensors")]
+    assert (bundle / "COMMIT").read_text().strip() and not (bundle / "wheels").exists()
+    assert "of the 64 MiB a device run carries" in proc.stdout

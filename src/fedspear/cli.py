@@ -20,6 +20,7 @@ import typer
 
 from .config import ConfigError, RunConfig, load_config, parse_assignments
 from .report import accuracy_text, round_text
+from .stops import Stops, compare_line, run_line, stoppable
 
 app = typer.Typer(add_completion=False, pretty_exceptions_show_locals=False, no_args_is_help=True,
                   help="Online federated fine-tuning from feedback (SPEAR).")
@@ -123,7 +124,8 @@ def run(
         preflight(cfg)
     except (ConfigError, DataError, ModelError, RunDirError, ValueError) as err:
         _fail(str(err))
-    _run(cfg, verbose)
+    with Stops(run_line(cfg.output_dir, cfg.rounds)):  # SIGINT / SIGTERM: fedspear.stops
+        _run(cfg, verbose)
 
 
 class PhaseWatcher:
@@ -313,7 +315,7 @@ def compare(
             started_file.write_text(datetime.datetime.now().strftime("%Y-%m-%d %H:%M") + "\n")
             (output / "command.txt").write_text(command + "\n")
         try:
-            with bars, watching:
+            with Stops(compare_line(cells), deadline=9.5), bars, watching:  # each cell's run stops itself first
                 run_grid(grid, output, on_event=on_event, verbose=verbose)
         except ConfigError as err:
             _fail(str(err))
@@ -468,6 +470,7 @@ def eval_target(target: Path | None, round_: int | None, config: Path | None, ov
 
 
 @app.command("eval")
+@stoppable()
 def eval_(
     target: Optional[Path] = typer.Argument(None, help="a run directory (its last round's adapter), an adapter folder "
                                             "(runs/x/adapters/round_NNNN), or nothing: the base model"),
@@ -589,6 +592,7 @@ def bench(
 
 
 @app.command()
+@stoppable()
 def chat(
     traces: Path = typer.Option(Path("node/traces.db"), "--traces",
                                 help="the node's trace store (SQLite; created if missing)"),
@@ -648,6 +652,7 @@ def certs(
 
 
 @app.command("node-worker")
+@stoppable()
 def node_worker(
     address: str = typer.Option("127.0.0.1:9301", help="loopback host:port to listen on"),
     key_file: Path = typer.Option(..., help="shared key file (created, mode 0600, if missing); the SuperNode's "

@@ -176,13 +176,13 @@ def _has_round(out: Path, server_round: int):
     return check
 
 
-def _stopped_run(out: Path, signum: int, after_round: int) -> tuple[int, str, float]:
+def _stopped_run(out: Path, signum: int, after_round: int, group: bool = True) -> tuple[int, str, float]:
     """Start the run, wait for round ``after_round``'s record and 3 s more (the server waits for the next round's
-    client), send ``signum`` to its process group; (status, stderr, seconds)."""
+    client), send ``signum`` to its process group (or to the CLI alone); (status, stderr, seconds)."""
     proc = start([FEDSPEAR, "run", *ARGS, "-o", str(out)], env=dict(os.environ))
     wait_for(_has_round(out, after_round), proc, 600, f"round {after_round}")
     time.sleep(3.0)
-    result = stop(proc, signum)
+    result = stop(proc, signum, group=group)
     assert session(proc.pid) == [], "processes left running"
     return result
 
@@ -216,12 +216,14 @@ def test_ctrl_c_stops_the_run_and_the_resumed_run_equals_an_uninterrupted_one(tm
 
 
 @pytest.mark.slow
-def test_sigterm_to_the_process_group_stops_the_run_and_ray_with_it(tmp_path):
-    """SIGTERM reaches Ray's own services too (they block only SIGINT): exit 143 within 10 s, no process of the
-    session left (Ray's DashboardAgent and RuntimeEnvAgent included), round 0 kept and readable."""
+@pytest.mark.parametrize("group", [True, False], ids=["process-group", "cli-only"])
+def test_sigterm_stops_the_run_and_ray_with_it(tmp_path, group):
+    """SIGTERM to the process group reaches Ray's own services too (they block only SIGINT); ``kill <pid>`` reaches
+    the CLI alone. Either way: exit 143 within 10 s, no process of the session left (Ray's DashboardAgent and
+    RuntimeEnvAgent included), round 0 kept and readable."""
     out = tmp_path / "run"
-    status, err, seconds = _stopped_run(out, signal.SIGTERM, after_round=0)
-    print(f"SIGTERM: exit {status} after {seconds:.1f} s")
+    status, err, seconds = _stopped_run(out, signal.SIGTERM, after_round=0, group=group)
+    print(f"SIGTERM ({'group' if group else 'pid'}): exit {status} after {seconds:.1f} s")
     assert status == 143, err[-3000:]
     assert err.strip().splitlines()[-1].startswith(f"stopped by SIGTERM after round 0 of 3 ({out} keeps rounds 0–0")
     assert [r["round"] for r in _records(out)] == [0]

@@ -451,8 +451,8 @@ def main() -> int:
         summary["error"] = f"{type(err).__name__}: {err}"
     finally:
         summary["pids_started"] = {name: p.pid for name, p in procs.started.items()}
-        try:  # after a signal the processes get 4 s to end (SIGKILL then): all is over within 10 s
-            summary["leftover_pids"] = procs.stop(grace=4.0 if STOP["signum"] else 15.0)
+        try:  # after a signal the processes get 3 s to end (SIGKILL then): all is over within 10 s
+            summary["leftover_pids"] = procs.stop(grace=3.0 if STOP["signum"] else 15.0)
         except Exception as err:  # noqa: BLE001 - still write what we know
             summary["leftover_pids"], summary["stop_error"] = None, f"{type(err).__name__}: {err}"
         (out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")

@@ -273,6 +273,7 @@ def compare(
 
     from .experiments.compare.grid import PRESETS, load_grid, run_grid
     from .experiments.compare.summary import summarise
+    from .rundir import RunDirError
 
     console = Console(stderr=True)
     try:
@@ -317,7 +318,7 @@ def compare(
         try:
             with Stops(compare_line(cells), deadline=9.5), bars, watching:  # each cell's run stops itself first
                 run_grid(grid, output, on_event=on_event, verbose=verbose)
-        except ConfigError as err:
+        except (ConfigError, RunDirError) as err:  # RunDirError: a cell's damaged metrics.jsonl (file, line, fix)
             _fail(str(err))
         except RuntimeError as err:
             typer.secho(f"error: {err}", fg="red", err=True)

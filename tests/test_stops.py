@@ -112,6 +112,24 @@ def test_a_signal_ends_the_command_its_children_and_prints_one_line(tmp_path, si
         assert seconds >= 3.0  # it waited for the work to notice until the deadline
 
 
+def test_a_second_signal_ends_the_command_at_once(tmp_path):
+    """In a section that does not notice the stop, a second Ctrl-C ends it without waiting for the deadline (3 s):
+    status 130 (the first signal's), the line, the child killed."""
+    script = tmp_path / "prog.py"
+    script.write_text(PROGRAM)
+    proc = start([sys.executable, str(script), "cooperative"], env=dict(os.environ))
+    child = int(proc.stdout.readline())
+    time.sleep(0.5)
+    t0 = time.monotonic()
+    os.killpg(proc.pid, signal.SIGINT)
+    time.sleep(0.5)
+    status, err, _ = stop(proc, signal.SIGINT)
+    assert time.monotonic() - t0 < 3.0
+    assert status == 130 and err.strip().splitlines()[-1].startswith("stopped by SIGINT at step 3"), err
+    assert not psutil.pid_exists(child) or psutil.Process(child).status() == psutil.STATUS_ZOMBIE
+    assert session(proc.pid) == []
+
+
 def test_node_worker_stops_on_sigterm_with_its_line(tmp_path):
     key = tmp_path / "worker.key"
     proc = start([FEDSPEAR, "node-worker", "--address", "127.0.0.1:0", "--key-file", str(key)],

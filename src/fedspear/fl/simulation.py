@@ -3,7 +3,8 @@
 One Ray actor holds one base model and plays every simulated client in turn (``client-resources.num-cpus`` equals
 the CPUs Ray may use, so exactly one actor fits); the ServerApp runs in this process and does the central
 evaluation. Flower and Ray keep their state under ``<output_dir>/.flwr`` and ``/tmp/ray``; telemetry, update checks
-and runtime dependency installation are off.
+and runtime dependency installation are off. SIGINT and SIGTERM stop the run cleanly (``start_ray``,
+``stop_ray_workers``, ``fedspear.stops``).
 """
 
 from __future__ import annotations

@@ -324,3 +324,50 @@ def test_deploy_local_example_with_client_side_dp(tmp_path):
     assert all(r["dp_sigma"] == pytest.approx(1.0 * 1e-4 / 2) for r in records)
     assert all(np.isfinite(v).all() for v in run.load_adapter(2).values())
     assert "ε 4.729" in log
+
+
+@pytest.mark.slow
+def test_deploy_local_example_stops_on_ctrl_c(tmp_path):
+    """Ctrl-C (SIGINT to the example's process group, as a terminal sends it) once round 0 is recorded: the example
+    ends within 10 s with exit code 130 and one last line saying where the run stopped, and stops every process it
+    started (``summary.json``'s ``leftover_pids``, and no process of its session left)."""
+    import signal
+    import time
+
+    import psutil
+
+    out = tmp_path / "deploy-stop"
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO / "src"), os.environ.get("PYTHONPATH", "")])}
+    proc = subprocess.Popen([sys.executable, str(REPO / "examples" / "deploy-local" / "run.py"), "--output-dir",
+                             str(out), "--model", "tiny-random", "--rounds", "3", "--rollouts-per-round", "2",
+                             "--eval-size", "4", "--local-steps", "1", "--max-new-tokens", "8", "--train-size", "20"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
+                            start_new_session=True, preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+    metrics = out / "run" / "metrics.jsonl"
+    deadline = time.monotonic() + BOUND
+    while not (metrics.is_file() and metrics.read_text().endswith("\n")):
+        assert proc.poll() is None, proc.communicate()[1][-3000:]
+        if time.monotonic() > deadline:
+            os.killpg(proc.pid, signal.SIGKILL)
+            pytest.fail("round 0 never recorded")
+        time.sleep(0.5)
+    time.sleep(2.0)
+    t0 = time.monotonic()
+    os.killpg(proc.pid, signal.SIGINT)
+    try:
+        _, err = proc.communicate(timeout=10)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        pytest.fail(f"still running 10 s after SIGINT: {proc.communicate()[1][-3000:]}")
+    print(f"deploy-local: exit {proc.returncode} after {time.monotonic() - t0:.1f} s")
+    assert proc.returncode == 130, err[-3000:]
+    assert err.strip().splitlines()[-1].startswith("stopped by SIGINT after round 0 of 3")
+    assert json.loads((out / "summary.json").read_text())["leftover_pids"] == []
+    left = []
+    for p in psutil.process_iter(["pid", "status"]):
+        try:
+            if os.getsid(p.pid) == proc.pid and p.info["status"] != psutil.STATUS_ZOMBIE:
+                left.append(p.pid)
+        except (OSError, psutil.Error):
+            continue
+    assert left == [] and _processes_mentioning(out) == []

@@ -123,6 +123,7 @@ def test_run_writes_metrics_report_plots_and_resumes(tmp_path):
     (out / "metrics.jsonl").write_text("\n".join(lines[:2]) + "\n" + lines[2][: len(lines[2]) // 2])
     proc = _fedspear(out)
     assert "resuming after round 1" in proc.stderr, proc.stderr[:3000]
+    assert "line 3: torn last line dropped" in proc.stderr and "round 2 will be redone" in proc.stderr
     resumed = _records(out)
     assert [r["round"] for r in resumed] == [0, 1, 2]
     assert resumed[1] == records[1]  # the completed round is untouched

@@ -30,14 +30,54 @@ def test_round_trip_and_nan_written_as_null(tmp_path):
     assert json.loads((run.adapter_dir(0) / "adapter_config.json").read_text()) == {"r": 16}
 
 
-def test_torn_last_line_is_dropped_and_the_file_repaired(tmp_path):
+def test_torn_last_line_is_dropped_with_a_warning_and_the_file_repaired(tmp_path, caplog):
     run = _run(tmp_path)
     with run.metrics_path.open("a") as fh:
         fh.write('{"round": 3, "lo')  # the process died mid-write
     (run.path / "adapters" / "round_0003.tmp").mkdir()  # and mid-way through saving the adapter
-    assert run.verify() == 2
+    with caplog.at_level("WARNING", logger="fedspear"):
+        assert run.verify() == 2
+    assert f"{run.metrics_path}, line 4: torn last line dropped" in caplog.text
+    assert "round 3 will be redone" in caplog.text
     assert run.metrics_path.read_text().count("\n") == 3
     assert not (run.path / "adapters" / "round_0003.tmp").exists()
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="fedspear"):
+        assert run.verify() == 2  # repaired once: no second message
+    assert caplog.text == ""
+
+
+def test_a_whole_last_line_without_its_newline_is_kept(tmp_path):
+    """A write cut between the record and its newline: the record is whole and counts; the newline is added so the
+    next append does not glue two records together."""
+    run = _run(tmp_path)
+    run.metrics_path.write_text(run.metrics_path.read_text().rstrip("\n"))
+    assert run.verify() == 2
+    run.append({"round": 3})
+    assert [r["round"] for r in run.records()] == [0, 1, 2, 3]
+
+
+@pytest.mark.parametrize("damage", ['{"round": 1, "lo', "\x00\x00\x00", "[1, 2]"])
+def test_a_damaged_line_before_the_last_stops_and_keeps_every_line(tmp_path, damage):
+    """Line 2 of 3 (round 1) is unreadable: round 2 after it is intact, so nothing is dropped or rewritten; the
+    error names the file, the line, how many records follow and how to recover."""
+    run = _run(tmp_path)
+    lines = run.metrics_path.read_text().splitlines()
+    lines[1] = damage
+    text = "\n".join(lines) + "\n"
+    run.metrics_path.write_text(text)
+    for call in (run.records, run.verify, run.last_round):
+        with pytest.raises(RunDirError, match=r"metrics.jsonl, line 2: not a readable round record .* 1 record\(s\) "
+                                              r"follow it; nothing was changed. Restore that line .*head -n 1 "):
+            call()
+    assert run.metrics_path.read_text() == text
+
+
+def test_blank_lines_are_skipped_not_taken_for_damage(tmp_path):
+    run = _run(tmp_path)
+    run.metrics_path.write_text(run.metrics_path.read_text().replace("\n", "\n\n", 1))
+    assert [r["round"] for r in run.records()] == [0, 1, 2]
+    assert run.verify() == 2
 
 
 def test_missing_or_damaged_adapter_is_refused(tmp_path):

@@ -14,7 +14,8 @@ What it does, in order (every process it starts gets its own log under ``<output
 6. submits the app with ``flwr run <repo> deploy-local`` and waits (``flwr ls``) until the run finishes or
    ``--timeout`` seconds pass;
 7. prints seconds per round and base-model loads per node per round, writes ``summary.json``;
-8. stops every process it started, and their children, by PID — also on error and Ctrl-C — and reports any left.
+8. stops every process it started, and their children, by PID — also on error, Ctrl-C and SIGTERM — and reports any
+   left; after a signal it ends with one line saying where the run stopped, and exit code 130 (SIGINT) / 143 (SIGTERM).
 
 Exit code 0 only when the run completed every round, the intruder was refused and nothing is left running.
 ``--no-worker`` leaves the node workers out, so each fresh ClientApp process loads the model itself (to measure
@@ -375,8 +376,24 @@ def deploy(args: argparse.Namespace, procs: Processes, out: Path, summary: dict)
                            "(see logs/superlink.log and `flwr log`)")
 
 
+STOP = {"signum": None}
+
+
 def _interrupted(signum, frame) -> None:
-    raise KeyboardInterrupt
+    """SIGINT / SIGTERM: the first raises KeyboardInterrupt where the script is; later ones are only noted, so that
+    stopping what was started is not itself interrupted."""
+    if STOP["signum"] is None:
+        STOP["signum"] = signum
+        raise KeyboardInterrupt
+
+
+def stop_line(signum: int, out: Path, rounds: int) -> str:
+    """The one line the script ends with after a signal: where the run stopped (its last recorded round)."""
+    records = read_records(out / "run")
+    where = (f"after round {records[-1]['round']} of {rounds} ({out / 'run'} keeps rounds 0–{records[-1]['round']})"
+             if records else "before round 0 was recorded")
+    return (f"stopped by {signal.Signals(signum).name} {where}; every process it started is stopped; the example "
+            f"starts a new deployment each time: run it again with another --output-dir")
 
 
 def main() -> int:
@@ -422,22 +439,27 @@ def main() -> int:
     procs = Processes(out / "logs", env)
     summary: dict = {"output_dir": str(out), "worker": not args.no_worker, "rounds_wanted": args.rounds}
     ok = False
-    signal.signal(signal.SIGTERM, _interrupted)  # `kill <pid>` of this script still stops everything it started
+    for signum in (signal.SIGINT, signal.SIGTERM):  # Ctrl-C, `kill <pid>`: everything started is stopped
+        signal.signal(signum, _interrupted)
     try:
         deploy(args, procs, out, summary)
         ok = True
     except KeyboardInterrupt:
-        summary["error"] = "interrupted"
+        STOP["signum"] = STOP["signum"] or signal.SIGINT
+        summary["error"] = f"interrupted by {signal.Signals(STOP['signum']).name}"
     except Exception as err:  # noqa: BLE001 - reported, then everything is stopped
         summary["error"] = f"{type(err).__name__}: {err}"
     finally:
         summary["pids_started"] = {name: p.pid for name, p in procs.started.items()}
-        try:
-            summary["leftover_pids"] = procs.stop()
+        try:  # after a signal the processes get 3 s to end (SIGKILL then): all is over within 10 s
+            summary["leftover_pids"] = procs.stop(grace=3.0 if STOP["signum"] else 15.0)
         except Exception as err:  # noqa: BLE001 - still write what we know
             summary["leftover_pids"], summary["stop_error"] = None, f"{type(err).__name__}: {err}"
         (out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
     print_summary(summary)
+    if STOP["signum"]:
+        print(stop_line(STOP["signum"], out, args.rounds), file=sys.stderr, flush=True)
+        return 128 + STOP["signum"]
     return 0 if ok and summary["leftover_pids"] == [] else 1
 
 

@@ -19,6 +19,7 @@ from typing import Optional
 import typer
 
 from .config import ConfigError, RunConfig, load_config, parse_assignments
+from .stops import Stops, compare_line, run_line, stoppable
 
 def _keep_argument_help() -> None:
     """Show positional arguments' help: typer 0.20 stores ``help`` on its argument before calling click's
@@ -263,7 +264,8 @@ def run(
         _fail(str(err))
     except OSError as err:  # a folder that check_output could not foresee (a special file system)
         _fail(f"{err.filename or cfg.output_dir}: {err.strerror or err}")
-    _run(cfg, verbose)
+    with Stops(run_line(cfg.output_dir, cfg.rounds)):  # SIGINT / SIGTERM: fedspear.stops
+        _run(cfg, verbose)
 
 
 class PhaseWatcher:
@@ -411,6 +413,7 @@ def compare(
 
     from .experiments.compare.grid import PRESETS, load_grid, run_grid
     from .experiments.compare.summary import summarise
+    from .rundir import RunDirError
 
     console = stderr_console()
     try:
@@ -457,9 +460,9 @@ def compare(
             started_file.write_text(datetime.datetime.now().strftime("%Y-%m-%d %H:%M") + "\n")
             (output / "command.txt").write_text(command + "\n")
         try:
-            with bars, watching:
+            with Stops(compare_line(cells), deadline=9.5), bars, watching:  # each cell's run stops itself first
                 run_grid(grid, output, on_event=on_event, verbose=verbose)
-        except ConfigError as err:
+        except (ConfigError, RunDirError) as err:  # RunDirError: a cell's damaged metrics.jsonl (file, line, fix)
             _fail(str(err))
         except RuntimeError as err:
             typer.secho(f"error: {err}", fg="red", err=True)
@@ -613,6 +616,7 @@ def eval_target(target: Path | None, round_: int | None, config: Path | None, ov
 
 
 @app.command("eval")
+@stoppable()
 def eval_(
     target: Optional[Path] = typer.Argument(None, help="a run directory (its last round's adapter), an adapter folder "
                                             "(runs/x/adapters/round_NNNN), or nothing: the base model"),
@@ -738,6 +742,7 @@ def bench(
 
 
 @app.command()
+@stoppable()
 def chat(
     traces: Path = typer.Option(Path("node/traces.db"), "--traces",
                                 help="the node's trace store (SQLite; created if missing)"),
@@ -797,6 +802,7 @@ def certs(
 
 
 @app.command("node-worker")
+@stoppable()
 def node_worker(
     address: str = typer.Option("127.0.0.1:9301", help="loopback host:port to listen on"),
     key_file: Path = typer.Option(..., help="shared key file (created, mode 0600, if missing); the SuperNode's "

@@ -12,14 +12,17 @@ Layout::
       report.md, plots/*.png   written at the end (and on every resume)
 
 A round counts as completed when its metrics line is written; the adapter is written (atomically: temp folder,
-then rename) *before* that line, so a crash at any point costs at most the round in flight. Re-running into the
-directory resumes after the last completed round; a config that differs from the saved one is refused, naming the
+then rename) *before* that line, so a crash at any point costs at most the round in flight. A line torn by a
+crash (only ever the last) is dropped with a warning; an unreadable line anywhere else stops with the file, the line
+and how to recover, and the file is left as it is. Re-running into the directory resumes after the last completed
+round; a config that differs from the saved one is refused, naming the
 keys, because resuming under other settings would silently mix two experiments.
 """
 
 from __future__ import annotations
 
 import json
+import logging
 import math
 import os
 import shutil
@@ -29,6 +32,8 @@ from typing import Any
 import numpy as np
 
 from .config import ConfigError, RunConfig, load_config, read_toml
+
+log = logging.getLogger("fedspear")
 
 
 def initial_samples(record: dict[str, Any]) -> int:
@@ -140,19 +145,38 @@ class RunDir:
 
     # -- metrics --------------------------------------------------------------------------------------------------
     def records(self) -> list[dict[str, Any]]:
-        """Completed round records in order. A torn last line (crash mid-write) is dropped and the file repaired."""
+        """Completed round records in order (blank lines are skipped).
+
+        A torn last line (the process died while writing it) is dropped, the file repaired and a warning logged that
+        names the file, the line and the round that will be redone. A last line that is whole but lacks its newline
+        gets one (the next record would otherwise be glued to it).
+
+        Raises:
+            RunDirError: a line other than the last cannot be read. Nothing is rewritten then: the message names the
+                file and line, the records after it, and how to recover.
+        """
         if not self.metrics_path.is_file():
             return []
-        lines = self.metrics_path.read_text(encoding="utf-8").splitlines()
-        records, good = [], []
-        for line in lines:
+        text = self.metrics_path.read_text(encoding="utf-8", errors="replace")
+        lines = text.splitlines()
+        numbered = [(n, line) for n, line in enumerate(lines, start=1) if line.strip()]
+        records = []
+        for i, (n, line) in enumerate(numbered):
             try:
-                records.append(json.loads(line))
-                good.append(line)
-            except json.JSONDecodeError:
-                break  # everything after a torn line is not trusted
-        if len(good) != len(lines):
-            _atomic_write(self.metrics_path, "".join(l + "\n" for l in good))
+                record = json.loads(line)
+                if not isinstance(record, dict):
+                    raise ValueError(f"a JSON {type(record).__name__}, not a record")
+            except ValueError as err:  # json.JSONDecodeError is a ValueError
+                if i + 1 < len(numbered):
+                    raise RunDirError(damaged_line_message(self.metrics_path, n, err, len(numbered) - i - 1)) from None
+                log.warning("%s, line %d: torn last line dropped (the run stopped while writing it; round %s will be "
+                            "redone on resume)", self.metrics_path, n, records[-1].get("round", -1) + 1 if records
+                            else 0)
+                _atomic_write(self.metrics_path, "".join(l + "\n" for _, l in numbered[:i]))
+                return records
+            records.append(record)
+        if text and not text.endswith("\n"):  # whole, but the newline was not written
+            _atomic_write(self.metrics_path, "".join(l + "\n" for _, l in numbered))
         return records
 
     def append(self, record: dict[str, Any]) -> None:
@@ -166,9 +190,10 @@ class RunDir:
     def verify(self) -> int | None:
         """Check that the directory can be resumed; repair what is safe to repair. Returns the last completed round.
 
-        Repairs: a torn last metrics line (dropped: that round is redone), leftover ``*.tmp`` files and folders.
-        Refuses (``RunDirError``): rounds in metrics.jsonl that are not 0, 1, 2, … in order, or a missing or
-        unreadable adapter for the last completed round.
+        Repairs: a torn last metrics line (dropped with a warning: that round is redone), leftover ``*.tmp`` files
+        and folders. Refuses (``RunDirError``): an unreadable metrics line before the last (``records``), rounds in
+        metrics.jsonl that are not 0, 1, 2, … in order, or a missing or unreadable adapter for the last completed
+        round.
         """
         for tmp in list(self.path.glob("*.tmp")) + list((self.path / "adapters").glob("*.tmp")):
             shutil.rmtree(tmp, ignore_errors=True) if tmp.is_dir() else tmp.unlink(missing_ok=True)
@@ -289,6 +314,14 @@ def load_adapter_folder(folder: str | Path, what: str = "adapter", consequence: 
         return dict(load_file(str(path)))
     except Exception as err:  # safetensors raises its own error types for a damaged file
         raise RunDirError(f"{path}: {what} unreadable ({err}){consequence}") from None
+
+
+def damaged_line_message(path: Path, line: int, err: Exception, after: int) -> str:
+    """What ``RunDir.records`` says about an unreadable line ``line`` of ``path`` with ``after`` records after it."""
+    return (f"{path}, line {line}: not a readable round record ({err}), and {after} record(s) follow it; nothing was "
+            f"changed. Restore that line (from a backup or by hand) and re-run to resume; or, to redo the rounds from "
+            f"there instead, keep only the lines before it (head -n {line - 1} {path} > {path}.new && "
+            f"mv {path}.new {path}) and re-run")
 
 
 def _json_default(value: Any) -> Any:

@@ -3,7 +3,8 @@
 One Ray actor holds one base model and plays every simulated client in turn (``client-resources.num-cpus`` equals
 the CPUs Ray may use, so exactly one actor fits); the ServerApp runs in this process and does the central
 evaluation. Flower and Ray keep their state under ``<output_dir>/.flwr`` and ``/tmp/ray``; telemetry, update checks
-and runtime dependency installation are off.
+and runtime dependency installation are off. SIGINT and SIGTERM stop the run cleanly (``start_ray``,
+``stop_ray_workers``, ``fedspear.stops``).
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ from pathlib import Path
 from typing import Callable
 
 from fedspear.config import RunConfig
-from fedspear import progress
+from fedspear import progress, stops
 from fedspear.progress import ENV as PROGRESS_ENV
 
 
@@ -39,12 +40,65 @@ def flower_environment(run_dir: str | Path) -> None:
     os.environ["PYTHONPATH"] = os.pathsep.join([src, *filter(None, os.environ.get("PYTHONPATH", "").split(os.pathsep))])
 
 
+def start_ray(backend_config: dict) -> None:
+    """Start Ray as Flower's engine would (its own ``RayBackend``, whose ``init_ray`` the engine then skips), so that
+    the SIGTERM handler ``ray.init`` installs (``sys.exit``; its node's kills Ray's processes and exits with 1) is
+    replaced by fedspear's before the rounds begin (``fedspear.stops``), and Ray's processes are recorded to be
+    ended with the command."""
+    import copy
+
+    from flwr.server.superlink.fleet.vce.backend.raybackend import RayBackend
+
+    before = stops.children()
+    RayBackend(copy.deepcopy(backend_config))
+    stops.reinstall()
+    stops.remember_children(besides=before)
+
+
+def stop_ray_workers() -> None:
+    """At a stop: SIGTERM to Ray's worker processes (the client actor, ``ray::ClientAppActor``; idle workers), so the
+    engine's threads waiting on them return and Flower winds down (``RayBackend.terminate``, ``ray.shutdown``). Ray's
+    own services are left to ``ray.shutdown``. The engine's error logs about the stopped workers are silenced."""
+    import threading
+
+    import psutil
+
+    logging.getLogger("flwr").setLevel(logging.CRITICAL)
+    for proc in psutil.Process().children(recursive=True):
+        try:
+            title = (proc.cmdline() or [""])[0]
+            if title.startswith("ray::") and not title.endswith("Agent"):
+                proc.terminate()
+        except psutil.Error:
+            continue
+    # A signal to the whole process group reaches Ray's own services too (they block SIGINT, not SIGTERM): without
+    # its raylet and GCS the engine cannot wind down (its calls into Ray wait for them), so the run ends at once.
+    services = [p for p in stops.remembered() if _name(p) in ("raylet", "gcs_server")]
+
+    def watch() -> None:
+        gone, _ = psutil.wait_procs(services, timeout=1.5)
+        if gone:
+            stops.end_now()
+
+    if services:
+        threading.Thread(target=watch, name="fedspear-ray-watch", daemon=True).start()
+
+
+def _name(proc) -> str:
+    try:
+        return proc.name()
+    except Exception:  # noqa: BLE001 - psutil.Error: gone or not ours to read
+        return ""
+
+
 def simulate(cfg: RunConfig, on_round: Callable[[dict], None] | None = None, verbose: bool = False) -> None:
     """Run (or resume) ``cfg`` on the simulation engine; the run directory receives every output.
 
     Raises:
         RuntimeError: the ServerApp failed (its error is logged by Flower; the run directory keeps the completed
         rounds, and re-running resumes).
+        fedspear.stops.Stopped: SIGINT or SIGTERM under ``fedspear.stops.Stops`` (nothing is recorded after it; the
+        round in flight is redone on resume).
     """
     flower_environment(cfg.output_dir)
     shutil.rmtree(Path(cfg.output_dir) / "progress", ignore_errors=True)  # a previous invocation's last state
@@ -64,7 +118,9 @@ def simulate(cfg: RunConfig, on_round: Callable[[dict], None] | None = None, ver
     @server_app.main()
     def _main(grid: Grid, context: Context) -> None:
         try:
-            outcome["records"] = run_server(grid, cfg, on_round=on_round)
+            outcome["records"] = run_server(stops.StoppableGrid(grid), cfg, on_round=on_round)
+        except stops.Stopped as err:  # ends the ServerApp as a finished one does: Flower's engine winds down
+            outcome["error"] = err
         except BaseException as err:  # surfaced to the caller below, after Flower shuts down cleanly
             outcome["error"] = err
             raise
@@ -89,11 +145,17 @@ def simulate(cfg: RunConfig, on_round: Callable[[dict], None] | None = None, ver
         },
     }
     try:
-        run_simulation(server_app=server_app, client_app=client_app, num_supernodes=cfg.num_clients,
-                       backend_config=backend_config, verbose_logging=verbose)
+        start_ray(backend_config)
+        with stops.cooperative(on_stop=stop_ray_workers):
+            run_simulation(server_app=server_app, client_app=client_app, num_supernodes=cfg.num_clients,
+                           backend_config=backend_config, verbose_logging=verbose)
     finally:  # later work in this process (another run, a benchmark) records no progress into this run's folder
         os.environ.pop(PROGRESS_ENV, None)
         progress.stop()
+        import ray
+
+        if ray.is_initialized():  # Flower's engine shuts Ray down; not when it failed before it began
+            ray.shutdown()
     if "error" in outcome:
         raise outcome["error"]  # type: ignore[misc]
     if "records" not in outcome:

@@ -193,7 +193,7 @@ def create_app(store: TraceStore, responder: ChatModel, max_revisions: int = 2) 
 
 def serve(store_path: str | Path, responder: ChatModel, *, max_revisions: int = 2, host: str = "127.0.0.1",
           port: int = DEFAULT_PORT) -> None:
-    """Run the chat app with uvicorn until interrupted (Ctrl-C).
+    """Run the chat app with uvicorn until interrupted (Ctrl-C or SIGTERM).
 
     Raises:
         ImportError: uvicorn is missing (the message names the [ui] extra).
@@ -204,7 +204,9 @@ def serve(store_path: str | Path, responder: ChatModel, *, max_revisions: int = 
         raise ImportError(f"fedspear chat needs the [ui] extra: pip install 'fedspear[ui]' ({err})") from err
 
     app = create_app(TraceStore(store_path), responder, max_revisions)
-    uvicorn.run(app, host=host, port=port, log_level="warning")
+    # SIGINT / SIGTERM: uvicorn closes the server (an answer being generated gets 3 s), then raises the signal again
+    # for fedspear's handler, which prints the stop line and ends the command (``fedspear.stops``)
+    uvicorn.run(app, host=host, port=port, log_level="warning", timeout_graceful_shutdown=3)
 
 
 PAGE = """<!doctype html>

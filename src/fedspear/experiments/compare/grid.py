@@ -32,6 +32,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
+from ... import stops
 from ...algorithms import ALGORITHMS
 from ...config import ConfigError, RunConfig, load_config, parse_assignments, read_toml, snake_key
 from ...paper_settings import PRESETS as RUN_PRESETS
@@ -373,7 +374,8 @@ def run_grid(grid: Grid, output: Path, on_event: Callable[[str, Cell, float], No
         if verbose:
             cmd.append("--verbose")
         with open(cell.path / "log.txt", "a", encoding="utf-8") as log:
-            code = subprocess.call(cmd, stdout=log, stderr=subprocess.STDOUT, env=os.environ.copy())
+            # at SIGINT / SIGTERM the cell's run gets the signal, stops and keeps its rounds (fedspear.stops)
+            code = stops.call(cmd, stdout=log, stderr=subprocess.STDOUT, env=os.environ.copy())
         if code != 0 or not cell.done():
             tail = (cell.path / "log.txt").read_text(encoding="utf-8", errors="replace").splitlines()[-15:]
             raise RuntimeError(f"cell {cell.name} failed (exit {code}); log {cell.path / 'log.txt'}:\n"

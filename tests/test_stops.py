@@ -1,0 +1,271 @@
+"""Clean stops (``fedspear.stops``) with real signals sent to real process groups, the process tree checked afterwards.
+
+Every command under test starts in a new session (``start_new_session=True``) with SIGINT's default handler restored
+(a background job of a non-interactive shell inherits SIGINT ignored), so ``os.killpg`` reaches it as a terminal's
+Ctrl-C would; afterwards no process of that session may be alive (zombies waiting for a parent to reap them are dead
+and do not count). The ``fedspear run`` cases are slow (tiny-random, 3 short rounds on the simulation engine)."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import numpy as np
+import psutil
+import pytest
+from safetensors.numpy import load_file
+
+FEDSPEAR = str(Path(sys.executable).with_name("fedspear"))
+
+
+def _default_sigint() -> None:
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
+def start(cmd: list[str], **kwargs) -> subprocess.Popen:
+    """``cmd`` in a session of its own, SIGINT restored, output captured as text."""
+    return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
+                            preexec_fn=_default_sigint, **kwargs)
+
+
+def session(sid: int) -> list[str]:
+    """Live (non-zombie) processes of session ``sid``, as 'pid name'."""
+    found = []
+    for proc in psutil.process_iter(["pid", "name", "status"]):
+        try:
+            if os.getsid(proc.pid) == sid and proc.info["status"] != psutil.STATUS_ZOMBIE:
+                found.append(f"{proc.pid} {proc.info['name']}")
+        except (OSError, psutil.Error):
+            continue
+    return found
+
+
+def stop(proc: subprocess.Popen, signum: int, group: bool = True, limit: float = 10.0) -> tuple[int, str, float]:
+    """Send ``signum`` to ``proc``'s process group (or to ``proc`` alone); (exit status, stderr, seconds to exit).
+    Fails when it is not over within ``limit`` seconds (the process group is then killed)."""
+    t0 = time.monotonic()
+    (os.killpg if group else os.kill)(proc.pid, signum)
+    try:
+        _, err = proc.communicate(timeout=limit)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        _, err = proc.communicate()
+        pytest.fail(f"still running {limit:.0f} s after {signal.Signals(signum).name}; stderr:\n{err[-3000:]}")
+    return proc.returncode, err, time.monotonic() - t0
+
+
+def wait_for(condition, proc: subprocess.Popen, timeout: float, what: str) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        if proc.poll() is not None:
+            pytest.fail(f"ended ({proc.returncode}) before {what}: {proc.stderr.read()[-3000:]}")
+        if time.monotonic() > deadline:
+            os.killpg(proc.pid, signal.SIGKILL)
+            pytest.fail(f"no {what} within {timeout:.0f} s")
+        time.sleep(0.2)
+
+
+# ---- the machinery, in a small program: a child that ignores SIGTERM (as Ray's agents do), a stuck section -------
+PROGRAM = textwrap.dedent("""
+    import subprocess, sys, time
+    from fedspear import stops
+
+    mode = sys.argv[1]
+    with stops.Stops(lambda signum: f"stopped by {stops.signal_name(signum)} at step 3; resume with: again",
+                     deadline=3.0):
+        child = subprocess.Popen([sys.executable, "-c",
+                                  "import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); "
+                                  "signal.signal(signal.SIGINT, signal.SIG_IGN); time.sleep(600)"])
+        print(child.pid, flush=True)
+        if mode == "cooperative":  # the main thread does not notice: only the deadline ends it
+            with stops.cooperative():
+                time.sleep(600)
+        else:
+            time.sleep(600)
+""")
+
+
+@pytest.mark.parametrize("signum, mode, code, most", [
+    (signal.SIGINT, "main", 130, 10.0), (signal.SIGTERM, "main", 143, 10.0),
+    (signal.SIGTERM, "cooperative", 143, 10.0)])
+def test_a_signal_ends_the_command_its_children_and_prints_one_line(tmp_path, signum, mode, code, most):
+    """The child ignores SIGTERM and SIGINT: it is ended by SIGKILL after the grace. In a cooperative section that
+    never looks at the stop, the deadline (3 s here) ends the process with the same line and status."""
+    script = tmp_path / "prog.py"
+    script.write_text(PROGRAM)
+    proc = start([sys.executable, str(script), mode], env=dict(os.environ))
+    child = int(proc.stdout.readline())
+    time.sleep(0.5)  # the child has set its handlers
+    status, err, seconds = stop(proc, signum, limit=most)
+    assert status == code, err
+    assert err.strip().splitlines()[-1] == (f"stopped by {signal.Signals(signum).name} at step 3; "
+                                            "resume with: again")
+    assert not psutil.pid_exists(child) or psutil.Process(child).status() == psutil.STATUS_ZOMBIE
+    assert session(proc.pid) == []
+    if mode == "cooperative":
+        assert seconds >= 3.0  # it waited for the work to notice until the deadline
+
+
+def test_a_second_signal_ends_the_command_at_once(tmp_path):
+    """In a section that does not notice the stop, a second Ctrl-C ends it without waiting for the deadline (3 s):
+    status 130 (the first signal's), the line, the child killed."""
+    script = tmp_path / "prog.py"
+    script.write_text(PROGRAM)
+    proc = start([sys.executable, str(script), "cooperative"], env=dict(os.environ))
+    child = int(proc.stdout.readline())
+    time.sleep(0.5)
+    t0 = time.monotonic()
+    os.killpg(proc.pid, signal.SIGINT)
+    time.sleep(0.5)
+    status, err, _ = stop(proc, signal.SIGINT)
+    assert time.monotonic() - t0 < 3.0
+    assert status == 130 and err.strip().splitlines()[-1].startswith("stopped by SIGINT at step 3"), err
+    assert not psutil.pid_exists(child) or psutil.Process(child).status() == psutil.STATUS_ZOMBIE
+    assert session(proc.pid) == []
+
+
+def test_node_worker_stops_on_sigterm_with_its_line(tmp_path):
+    key = tmp_path / "worker.key"
+    proc = start([FEDSPEAR, "node-worker", "--address", "127.0.0.1:0", "--key-file", str(key)],
+                 env=dict(os.environ))
+    wait_for(key.exists, proc, 120, "key file")
+    time.sleep(1.0)  # listening
+    status, err, _ = stop(proc, signal.SIGTERM, group=False)
+    assert status == 143, err
+    assert err.strip().splitlines()[-1] == (f"stopped by SIGTERM; run it again with: fedspear node-worker --address "
+                                            f"127.0.0.1:0 --key-file {key}")
+    assert session(proc.pid) == []
+
+
+def test_chat_stops_on_ctrl_c_with_its_line(tmp_path):
+    pytest.importorskip("uvicorn")
+    with __import__("socket").socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    traces = tmp_path / "traces.db"
+    proc = start([FEDSPEAR, "chat", "--model", "tiny-random", "--traces", str(traces), "--port", str(port)],
+                 env=dict(os.environ))
+    assert "fedspear chat" in proc.stdout.readline()
+    assert "Ctrl-C stops" in proc.stdout.readline()
+
+    def listening() -> bool:
+        with __import__("socket").socket() as sock:
+            return sock.connect_ex(("127.0.0.1", port)) == 0
+    wait_for(listening, proc, 60, "server")
+    status, err, _ = stop(proc, signal.SIGINT)
+    assert status == 130, err
+    assert err.strip().splitlines()[-1] == (f"stopped by SIGINT; run it again with: fedspear chat --model tiny-random "
+                                            f"--traces {traces} --port {port}")
+    assert session(proc.pid) == []
+
+
+# ---- fedspear run: a stop keeps the completed rounds, and the resumed run equals an uninterrupted one ---------------
+ARGS = ["--model", "tiny-random", "--rounds", "3", "--clients", "2", "--clients-per-round", "1",
+        "--rollouts-per-round", "4", "--eval-size", "4", "--dtype", "fp32", "--set", "local_steps=2",
+        "--set", "batch_size=2", "--set", "eval_every=3", "--set", "train_size=40", "--set", "max_new_tokens=8",
+        "--set", "lr=0.001", "--set", "strategy=fedadam"]
+VOLATILE = {"seconds", "wall_clock", "peak_rss_mb", "rss_after_round_mb", "node_id", "seconds_generate_initial",
+            "seconds_generate_revisions", "seconds_train", "seconds_evaluate", "worker_pid", "model_loads",
+            "seconds_load_model"}
+
+
+def _records(out: Path) -> list[dict]:
+    return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines() if line.strip()]
+
+
+def _stable(value):
+    if isinstance(value, dict):
+        return {k: _stable(v) for k, v in value.items() if k not in VOLATILE}
+    if isinstance(value, list):
+        return [_stable(v) for v in value]
+    return value
+
+
+def _has_round(out: Path, server_round: int):
+    def check() -> bool:
+        path = out / "metrics.jsonl"
+        return path.is_file() and any(f'"round": {server_round},' in line for line in path.read_text().splitlines())
+    return check
+
+
+def _stopped_run(out: Path, signum: int, after_round: int, group: bool = True) -> tuple[int, str, float]:
+    """Start the run, wait for round ``after_round``'s record and 3 s more (the server waits for the next round's
+    client), send ``signum`` to its process group (or to the CLI alone); (status, stderr, seconds)."""
+    proc = start([FEDSPEAR, "run", *ARGS, "-o", str(out)], env=dict(os.environ))
+    wait_for(_has_round(out, after_round), proc, 600, f"round {after_round}")
+    time.sleep(3.0)
+    result = stop(proc, signum, group=group)
+    assert session(proc.pid) == [], "processes left running"
+    return result
+
+
+@pytest.mark.slow
+def test_ctrl_c_stops_the_run_and_the_resumed_run_equals_an_uninterrupted_one(tmp_path):
+    """SIGINT to the process group inside round 2: exit 130 within 10 s, nothing left running, rounds 0–1 kept, the
+    line names round 1 and the command; re-running it ends with the adapter, FedAdam moments and metrics of a run
+    never interrupted (wall-clock, memory and node ids aside)."""
+    whole, stopped = tmp_path / "whole", tmp_path / "stopped"
+    proc = subprocess.run([FEDSPEAR, "run", *ARGS, "-o", str(whole)], capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+
+    status, err, seconds = _stopped_run(stopped, signal.SIGINT, after_round=1)
+    print(f"SIGINT: exit {status} after {seconds:.1f} s")
+    assert status == 130, err[-3000:]
+    assert err.strip().splitlines()[-1] == (
+        f"stopped by SIGINT after round 1 of 3 ({stopped} keeps rounds 0–1; the round in flight is redone); "
+        f"resume with: fedspear run {' '.join(ARGS)} -o {stopped}")
+    assert "Traceback" not in err, err[-3000:]
+    assert [r["round"] for r in _records(stopped)] == [0, 1]
+
+    proc = subprocess.run([FEDSPEAR, "run", *ARGS, "-o", str(stopped)], capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "resuming after round 1" in proc.stderr
+    a, b = (load_file(str(out / "adapters" / "round_0003" / "adapter_model.safetensors")) for out in (whole, stopped))
+    assert max(float(np.max(np.abs(a[k] - b[k]))) for k in a) <= 1e-6
+    moments = [load_file(str(out / "adapters" / "round_0003" / "server_state.safetensors")) for out in (whole, stopped)]
+    assert all(np.array_equal(moments[0][k], moments[1][k]) for k in moments[0])
+    assert _stable(_records(whole)) == _stable(_records(stopped))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("group", [True, False], ids=["process-group", "cli-only"])
+def test_sigterm_stops_the_run_and_ray_with_it(tmp_path, group):
+    """SIGTERM to the process group reaches Ray's own services too (they block only SIGINT); ``kill <pid>`` reaches
+    the CLI alone. Either way: exit 143 within 10 s, no process of the session left (Ray's DashboardAgent and
+    RuntimeEnvAgent included), round 0 kept and readable."""
+    out = tmp_path / "run"
+    status, err, seconds = _stopped_run(out, signal.SIGTERM, after_round=0, group=group)
+    print(f"SIGTERM ({'group' if group else 'pid'}): exit {status} after {seconds:.1f} s")
+    assert status == 143, err[-3000:]
+    assert err.strip().splitlines()[-1].startswith(f"stopped by SIGTERM after round 0 of 3 ({out} keeps rounds 0–0")
+    assert [r["round"] for r in _records(out)] == [0]
+
+
+@pytest.mark.slow
+def test_ctrl_c_stops_compare_and_the_cell_it_runs(tmp_path):
+    """``fedspear compare`` runs each cell as a ``fedspear run`` in a process group of its own and passes the signal
+    on once: exit 130 within 10 s, the cell's log ends with its run's stop line, compare's with where the grid
+    stopped, and nothing of the session is left."""
+    out = tmp_path / "grid"
+    proc = start([FEDSPEAR, "compare", "--preset", "tiny", "--algorithms", "spear", "--set", "rounds=3",
+                  "-o", str(out)], env=dict(os.environ))
+    cell = out / "cells"
+    wait_for(lambda: any(_has_round(c, 0)() for c in cell.glob("*")), proc, 600, "the cell's round 0")
+    time.sleep(3.0)
+    status, err, seconds = stop(proc, signal.SIGINT)
+    print(f"compare: exit {status} after {seconds:.1f} s")
+    assert status == 130, err[-3000:]
+    (name,) = [c.name for c in cell.glob("*")]
+    assert err.strip().splitlines()[-1].startswith(f"stopped by SIGINT: 0 of 1 cells finished; stopped in cell {name} "
+                                                   f"after its round ")
+    assert err.strip().endswith(f"resume with: fedspear compare --preset tiny --algorithms spear --set rounds=3 "
+                                f"-o {out}")
+    log = (cell / name / "log.txt").read_text().strip().splitlines()
+    assert log[-1].startswith("stopped by SIGINT after round "), log[-5:]
+    assert session(proc.pid) == []

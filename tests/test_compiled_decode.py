@@ -152,6 +152,9 @@ def test_use_compiled_decode_attaches_and_detaches(tiny):
     assert use_compiled_decode(model, "on", backend="aot_eager") and compiled_decode(model) is not None
     first = compiled_decode(model)
     assert use_compiled_decode(model, "on", backend="aot_eager") and compiled_decode(model) is first  # kept
+    kwargs = first.generate_kwargs(model, 4, 300)  # a bench times transformers' generate with these
+    assert kwargs["compile_config"] is first.compile_config and kwargs["past_key_values"].layers[0].max_cache_len == 512
+    assert first.generate_kwargs(model, 4, 257)["past_key_values"] is kwargs["past_key_values"]  # one per bucket
     assert not use_compiled_decode(model, "auto") and compiled_decode(model) is None  # auto: off on the CPU
     assert not use_compiled_decode(model, "off") and compiled_decode(model) is None
 

@@ -106,6 +106,15 @@ class CompiledDecode:
         cache.reset()
         return cache
 
+    def generate_kwargs(self, model, rows: int, positions: int) -> dict:
+        """What transformers' ``generate`` needs to decode ``rows`` sequences of up to ``positions`` tokens (prompt
+        + new) with the compiled step: ``past_key_values`` (the bucket's static cache, zeroed) and
+        ``compile_config``. Ask again for every ``generate`` call: a cache holds one call's tokens. ``rows`` is the
+        batch ``generate`` is given; pad it to ``batch_bucket(rows)`` to share graphs and caches between batch
+        sizes (``generation.generate`` does; a benchmark at batch 1, 8 or 32 is a bucket already)."""
+        return {"past_key_values": self.cache(model, rows, cache_bucket(positions)),
+                "compile_config": self.compile_config}
+
 
 @functools.cache
 def one_dtype_layer_class():

@@ -9,7 +9,7 @@ from typing import Sequence
 import torch
 
 from .. import progress
-from .compiled import batch_bucket, cache_bucket, compiled_decode
+from .compiled import batch_bucket, compiled_decode
 from .cpu_kernels import preallocated_cache
 from .model import autocast, merged_adapter, model_device, pad_id
 
@@ -149,8 +149,8 @@ def _generate_batches(model, tokenizer, contexts, max_new_tokens, dtype_used, do
             kwargs["stopping_criteria"] = [steps]
         if compiled is not None:
             kwargs["stopping_criteria"] = kwargs.get("stopping_criteria", []) + [_PaddingRows(real)]
-            kwargs["compile_config"] = compiled.compile_config
-            cache = compiled.cache(model, len(chunk), cache_bucket(width + max_new_tokens))
+            kwargs.update(compiled.generate_kwargs(model, len(chunk), width + max_new_tokens))
+            cache = kwargs.pop("past_key_values")
         else:
             cache = preallocated_cache(model, prefix + width + max_new_tokens)  # None: transformers' own cache
         with autocast(dtype_used, device.type):

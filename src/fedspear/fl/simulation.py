@@ -49,8 +49,9 @@ def backend_config(cfg: RunConfig, cpus: int, gpus: int, verbose: bool = False) 
     ``pool_size_from_resources``). On the CPU one actor takes every CPU, so the simulated clients take turns in it.
     On a GPU each actor asks for ``client_gpus`` of one (Ray hides every GPU from an actor that asks for none), so
     ``gpus · ⌊1 / client_gpus⌋`` clients of a round run side by side, each with its own copy of the model; Ray's
-    CPUs are then counted as one per actor (at least ``cpus``), a count for placing actors, not a thread limit that
-    would stall a GPU's feeding process. ``client_gpus = 1`` is one actor per GPU, taking turns.
+    CPUs are then counted as at least one per actor (Ray's CPU count is for placing actors; it also sets an actor's
+    ``OMP_NUM_THREADS`` to its share, which bounds torch's CPU threads there, not the GPU's work).
+    ``client_gpus = 1`` is one actor per GPU, taking turns.
     """
     if gpus:
         actors = gpus * int(1 / cfg.client_gpus + 1e-9)  # ⌊1 / share⌋ per GPU; 1e-9: 1 / 0.2 is 5, not 4.99…

@@ -321,8 +321,26 @@ class RunConfig:
     gradient_checkpointing: str = field(
         default="auto",
         metadata=_meta(
-            "recompute activations in the backward pass to save memory (auto: on for models over 1B parameters)",
+            "recompute activations in the backward pass to save memory (auto: on a GPU when the training "
+            "activations would not fit its free memory, on the CPU for models over 1B parameters)",
             choices=["auto", "on", "off"],
+        ),
+    )
+    compile_decode: str = field(
+        default="auto",
+        metadata=_meta(
+            "decode with a compiled step over a static KV cache (torch.compile; compiled once per process, kept "
+            "across rounds and adapters): auto (on a CUDA GPU), on or off",
+            choices=["auto", "on", "off"],
+        ),
+    )
+    client_gpus: float = field(
+        default=1.0,
+        metadata=_meta(
+            "simulation on a GPU: the share of a GPU each simulated client holds (0.25: four clients of a round run "
+            "side by side on one GPU, each with its own copy of the model)",
+            gt=0,
+            max=1,
         ),
     )
     # baselines (SPEC §5; defaults from the paper's appendix baseline tables, see fedspear.algorithms)

@@ -241,6 +241,7 @@ class Evaluator:
     """
 
     def __init__(self, cfg: "RunConfig", split: str | None = None, limit: int | None = None):
+        from .runtime.compiled import use_compiled_decode
         from .runtime.model import LoraSettings, add_lora, load_base
         from .tasks import get_task, load_split
 
@@ -250,6 +251,7 @@ class Evaluator:
         base, self.tokenizer, self.dtype_used = load_base(cfg.model, cfg.dtype, cfg.device)
         self.model = add_lora(base, LoraSettings(cfg.lora_r, cfg.lora_alpha, cfg.lora_dropout, cfg.last_layers),
                               seed=cfg.seed)
+        use_compiled_decode(self.model, cfg.compile_decode)
         items, self.skipped = load_split(cfg, self.split)
         self.examples = eval_items(items[:limit] if limit else items, cfg.eval_size, cfg.eval_gen_size)
 

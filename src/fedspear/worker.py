@@ -21,7 +21,9 @@ from . import progress
 from .config import RunConfig
 from .feedback import FeedbackSource, make_feedback
 from .algorithms import ALGORITHMS
-from .runtime.model import LoraSettings, add_lora, get_adapter, load_base, set_adapter, use_gradient_checkpointing
+from .runtime.compiled import use_compiled_decode
+from .runtime.model import (TRAIN_PROMPT_TOKENS, LoraSettings, add_lora, get_adapter, load_base, set_adapter,
+                            use_gradient_checkpointing)
 from .runtime.memory import peak_rss_mb, release_memory
 from .tasks import get_task, load_train_examples
 from .tasks.base import Example
@@ -80,14 +82,19 @@ class Worker:
         cfg = cfg.resolved()
         base, tokenizer, dtype_used = load_base(cfg.model, cfg.dtype, cfg.device)
         lora = LoraSettings(cfg.lora_r, cfg.lora_alpha, cfg.lora_dropout, cfg.last_layers)
-        use_gradient_checkpointing(base, cfg.gradient_checkpointing)
+        # a micro-step trains on at most batch_size wins and batch_size losses of prompt + completion tokens
+        use_gradient_checkpointing(base, cfg.gradient_checkpointing, rows=2 * cfg.batch_size,
+                                   length=TRAIN_PROMPT_TOKENS + cfg.max_new_tokens, window=cfg.max_new_tokens,
+                                   gpu_share=cfg.client_gpus)
         model = add_lora(base, lora, seed=cfg.seed)
+        use_compiled_decode(model, cfg.compile_decode)
         return cls(cfg, model, tokenizer, dtype_used, load_train_examples(cfg))
 
     def compatible(self, cfg: RunConfig) -> bool:
         """Whether this worker's model can serve ``cfg`` (same model, dtype, LoRA shape, task and data)."""
         keys = ("model", "dtype", "device", "lora_r", "lora_alpha", "lora_dropout", "last_layers",
-                "gradient_checkpointing", "task", "data_dir", "data_source", "train_size", "seed")
+                "gradient_checkpointing", "compile_decode", "client_gpus", "task", "data_dir", "data_source",
+                "train_size", "seed")
         return all(getattr(self.loaded, k) == getattr(cfg, k) for k in keys)
 
     @property

@@ -1,7 +1,8 @@
 """Run a fedspear federation on Flower's simulation engine, on this machine only (127.0.0.1).
 
-One Ray actor holds one base model and plays every simulated client in turn (``client-resources.num-cpus`` equals
-the CPUs Ray may use, so exactly one actor fits); the ServerApp runs in this process and does the central
+On the CPU one Ray actor holds one base model and plays every simulated client in turn (``client-resources.num-cpus``
+equals the CPUs Ray may use, so exactly one actor fits); on a GPU, ``client_gpus`` sets how many actors share it
+(``backend_config``). The ServerApp runs in this process and does the central
 evaluation. Flower and Ray keep their state under ``<output_dir>/.flwr`` and ``/tmp/ray``; telemetry, update checks
 and runtime dependency installation are off. SIGINT and SIGTERM stop the run cleanly (``start_ray``,
 ``stop_ray_workers``, ``fedspear.stops``).
@@ -91,6 +92,39 @@ def _name(proc) -> str:
         return ""
 
 
+def backend_config(cfg: RunConfig, cpus: int, gpus: int, verbose: bool = False) -> dict:
+    """Flower's simulation ``backend_config`` for ``cfg`` on a machine where Ray may use ``cpus`` CPUs and ``gpus``
+    GPUs (0 on a CPU run).
+
+    Flower builds as many client actors (each a process holding one model) as the resources allow:
+    ``min(num_cpus / client num_cpus, num_gpus / client num_gpus)`` (``flwr/simulation/ray_transport/ray_actor.py``,
+    ``pool_size_from_resources``). On the CPU one actor takes every CPU, so the simulated clients take turns in it.
+    On a GPU each actor asks for ``client_gpus`` of one (Ray hides every GPU from an actor that asks for none), so
+    ``gpus · ⌊1 / client_gpus⌋`` clients of a round run side by side, each with its own copy of the model; Ray's
+    CPUs are then counted as at least one per actor (Ray's CPU count is for placing actors; it also sets an actor's
+    ``OMP_NUM_THREADS`` to its share, which bounds torch's CPU threads there, not the GPU's work).
+    ``client_gpus = 1`` is one actor per GPU, taking turns.
+    """
+    if gpus:
+        actors = gpus * int(1 / cfg.client_gpus + 1e-9)  # ⌊1 / share⌋ per GPU; 1e-9: 1 / 0.2 is 5, not 4.99…
+        ray_cpus = max(cpus, actors)
+        client = {"num_cpus": ray_cpus // actors, "num_gpus": cfg.client_gpus}
+    else:
+        ray_cpus = cpus
+        client = {"num_cpus": cpus, "num_gpus": 0.0}
+    return {
+        "client_resources": client,
+        "init_args": {
+            "num_cpus": ray_cpus,
+            "num_gpus": gpus,
+            "_node_ip_address": "127.0.0.1",
+            "include_dashboard": False,
+            "logging_level": logging.INFO if verbose else logging.WARNING,
+            "log_to_driver": verbose,
+        },
+    }
+
+
 def simulate(cfg: RunConfig, on_round: Callable[[dict], None] | None = None, verbose: bool = False) -> None:
     """Run (or resume) ``cfg`` on the simulation engine; the run directory receives every output.
 
@@ -130,25 +164,13 @@ def simulate(cfg: RunConfig, on_round: Callable[[dict], None] | None = None, ver
     if not verbose:
         flwr_logger.setLevel(logging.ERROR)
     cpus = max(1, min(2, os.cpu_count() or 1))
-    # Ray hides every GPU from an actor that asks for none (CUDA_VISIBLE_DEVICES=""): on a CUDA run the client actor
-    # asks for one whole GPU, so clients take turns on it as they do on the CPU cores
     gpus = torch.cuda.device_count() if resolve_device(cfg.device) == "cuda" else 0
-    backend_config = {
-        "client_resources": {"num_cpus": cpus, "num_gpus": 1.0 if gpus else 0.0},
-        "init_args": {
-            "num_cpus": cpus,
-            "num_gpus": gpus,
-            "_node_ip_address": "127.0.0.1",
-            "include_dashboard": False,
-            "logging_level": logging.INFO if verbose else logging.WARNING,
-            "log_to_driver": verbose,
-        },
-    }
     try:
-        start_ray(backend_config)
+        backend = backend_config(cfg, cpus, gpus, verbose)
+        start_ray(backend)
         with stops.cooperative(on_stop=stop_ray_workers):
             run_simulation(server_app=server_app, client_app=client_app, num_supernodes=cfg.num_clients,
-                           backend_config=backend_config, verbose_logging=verbose)
+                           backend_config=backend, verbose_logging=verbose)
     finally:  # later work in this process (another run, a benchmark) records no progress into this run's folder
         os.environ.pop(PROGRESS_ENV, None)
         progress.stop()

@@ -9,6 +9,7 @@ from typing import Sequence
 import torch
 
 from .. import progress
+from .compiled import batch_bucket, compiled_decode
 from .cpu_kernels import preallocated_cache
 from .model import autocast, merged_adapter, model_device, pad_id
 
@@ -48,6 +49,19 @@ class _DecodeSteps:
         return torch.zeros(input_ids.shape[0], dtype=torch.bool, device=input_ids.device)
 
 
+class _PaddingRows:
+    """A stopping criterion that stops the rows from ``real`` on at once: the rows a compiled decode adds to fill its
+    batch bucket (``runtime.compiled``), so they never keep a batch decoding after its real rows are done."""
+
+    def __init__(self, real: int):
+        self.real = real
+
+    def __call__(self, input_ids: torch.Tensor, scores, **kwargs) -> torch.Tensor:
+        done = torch.zeros(input_ids.shape[0], dtype=torch.bool, device=input_ids.device)
+        done[self.real :] = True
+        return done
+
+
 @torch.no_grad()
 def generate(
     model,
@@ -81,6 +95,10 @@ def generate(
             after). ``None``: ``merges_adapter`` decides — fp32 models up to 1B parameters, where merging changes
             the result by fp32 rounding only; under bf16 the base weights are bf16 and merging would round the
             update to bf16.
+
+    A model with a compiled decode (``runtime.compiled.use_compiled_decode``; ``compile_decode``) decodes every
+    batch through it: its rows padded to a batch bucket, a static KV cache of a length bucket, no prefix sharing and
+    no merging (the compiled step reads the adapter's tensors where they are).
     Returns:
         One list of new token ids per context, cut after the first EOS (EOS kept).
     """
@@ -89,7 +107,9 @@ def generate(
     # every batch's whole token budget up front, so the phase's ETA covers all of them; a batch that stops early
     # (every row at EOS) counts its unused budget as done
     progress.expect(-(-len(contexts) // batch_size) * max_new_tokens, "tokens")
-    with merged_adapter(model, enabled=merges_adapter(model, dtype_used) if merge is None else merge):
+    compiled = compiled_decode(model) is not None
+    merge = False if compiled else (merges_adapter(model, dtype_used) if merge is None else merge)
+    with merged_adapter(model, enabled=merge):
         out = _generate_batches(model, tokenizer, contexts, max_new_tokens, dtype_used, do_sample, temperature,
                                 top_p, batch_size, first_logits, reuse_prefix)
     model.train(was_training)
@@ -102,9 +122,14 @@ def _generate_batches(model, tokenizer, contexts, max_new_tokens, dtype_used, do
     eos = tokenizer.eos_token_id
     pad = pad_id(tokenizer)
     device = model_device(model)
+    compiled = compiled_decode(model)
+    reuse_prefix = reuse_prefix and compiled is None  # a static cache is filled by one prefill of the whole batch
     out: list[list[int]] = []
     for start in range(0, len(contexts), batch_size):
         chunk = contexts[start : start + batch_size]
+        real = len(chunk)
+        if compiled is not None:  # the bucket's rows: the last context repeated, stopped at once, dropped
+            chunk = list(chunk) + [chunk[-1]] * (batch_bucket(real) - real)
         prefix = shared_prefix_length(chunk) if reuse_prefix and len(chunk) > 1 else 0
         tails = [list(c[prefix:]) for c in chunk]
         width = max(len(t) for t in tails)
@@ -122,29 +147,40 @@ def _generate_batches(model, tokenizer, contexts, max_new_tokens, dtype_used, do
         steps = _DecodeSteps() if progress.active() else None
         if steps is not None:
             kwargs["stopping_criteria"] = [steps]
-        cache = preallocated_cache(model, prefix + width + max_new_tokens)  # None: transformers' own cache
+        if compiled is not None:
+            kwargs["stopping_criteria"] = kwargs.get("stopping_criteria", []) + [_PaddingRows(real)]
+            kwargs.update(compiled.generate_kwargs(model, len(chunk), width + max_new_tokens))
+            cache = kwargs.pop("past_key_values")
+        else:
+            cache = preallocated_cache(model, prefix + width + max_new_tokens)  # None: transformers' own cache
         with autocast(dtype_used, device.type):
             if prefix:
                 cache = model(input_ids=input_ids[:1, :prefix], past_key_values=cache, use_cache=True).past_key_values
                 cache.batch_repeat_interleave(len(chunk))
             if cache is not None:
                 kwargs["past_key_values"] = cache
-            generated = model.generate(
-                input_ids=input_ids,
-                attention_mask=attention,
-                max_new_tokens=max_new_tokens,
-                eos_token_id=eos,
-                pad_token_id=pad,
-                use_cache=True,
-                return_dict_in_generate=True,
-                output_logits=first_logits is not None,
-                **kwargs,
-            )
+            try:
+                generated = model.generate(
+                    input_ids=input_ids,
+                    attention_mask=attention,
+                    max_new_tokens=max_new_tokens,
+                    eos_token_id=eos,
+                    pad_token_id=pad,
+                    use_cache=True,
+                    return_dict_in_generate=True,
+                    output_logits=first_logits is not None,
+                    **kwargs,
+                )
+            except Exception as err:
+                if compiled is None:
+                    raise
+                raise RuntimeError(f"the compiled decode failed ({type(err).__name__}: {err}); "
+                                   "compile_decode = \"off\" decodes without compiling") from err
         if steps is not None:
             progress.advance(max_new_tokens - steps.count)  # a batch that ended early: its unused budget
         if first_logits is not None:
-            first_logits.extend(generated.logits[0].float())  # B × [V]
-        for row in generated.sequences[:, prefix + width :].tolist():  # [B, new]
+            first_logits.extend(generated.logits[0][:real].float())  # B × [V]
+        for row in generated.sequences[:real, prefix + width :].tolist():  # [B, new]
             if eos in row:
                 row = row[: row.index(eos) + 1]
             out.append(row)

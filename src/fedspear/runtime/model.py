@@ -83,9 +83,13 @@ class LoraSettings:
 
 
 def load_base(model: str = DEFAULT_MODEL, dtype: str = "auto", device: str = "auto"):
-    """Load tokenizer and base causal LM in fp32 weights on ``device`` (bf16 is applied as autocast, see
-    ``autocast``). On the CPU, bf16 linear weights and the decode attention kernel are installed (CPU speed patches);
-    on a CUDA GPU the model is transformers' own under CUDA bf16 autocast.
+    """Load tokenizer and base causal LM on ``device`` for computing in ``dtype`` (bf16 under autocast, see
+    ``autocast``). On the CPU the weights are loaded in fp32, then the linear weights stored in bf16 and the decode
+    attention kernel installed (CPU speed patches, ``cpu_kernels``). On a CUDA GPU with bf16, every parameter is held
+    in bf16 (``bf16_parameters``; buffers such as RoPE frequencies stay as they are), as transformers loads a model
+    with ``dtype=torch.bfloat16``: no fp32 copy is read on each step (a decode step at batch 32 of Qwen2.5-1.5B:
+    145 ms with fp32 weights under autocast, 54 ms with bf16 weights, issue 40's probe); the LoRA adapter ``add_lora``
+    adds stays fp32 (peft's ``autocast_adapter_dtype``), trained under autocast.
 
     Returns:
         ``(model, tokenizer, dtype_used)`` with ``tokenizer.padding_side == "left"`` and a pad token set; the model's
@@ -103,7 +107,8 @@ def load_base(model: str = DEFAULT_MODEL, dtype: str = "auto", device: str = "au
         where = resolve_model_dir(model)
         try:
             tokenizer = AutoTokenizer.from_pretrained(where)
-            base = AutoModelForCausalLM.from_pretrained(where, dtype=torch.float32)
+            gpu_bf16 = where_to == "cuda" and dtype_used == "bf16"  # read straight into bf16: no fp32 copy in RAM
+            base = AutoModelForCausalLM.from_pretrained(where, dtype=torch.bfloat16 if gpu_bf16 else torch.float32)
         except OSError as err:
             raise ModelError(f"could not load model '{model}' from {where}: {err}") from None
         tokenizer.padding_side = "left"
@@ -111,6 +116,8 @@ def load_base(model: str = DEFAULT_MODEL, dtype: str = "auto", device: str = "au
             tokenizer.pad_token = tokenizer.eos_token
         base.generation_config.pad_token_id = tokenizer.pad_token_id
     if where_to == "cuda":
+        if dtype_used == "bf16":
+            bf16_parameters(base)
         return base.to(where_to), tokenizer, dtype_used
     if dtype_used == "bf16":
         store_linear_weights_bf16(base)
@@ -118,13 +125,76 @@ def load_base(model: str = DEFAULT_MODEL, dtype: str = "auto", device: str = "au
     return base, tokenizer, dtype_used
 
 
-CHECKPOINTING_ABOVE = 1_000_000_000  # parameters; "auto" turns gradient checkpointing on above this
+def bf16_parameters(base) -> int:
+    """Hold every floating-point parameter of ``base`` in bf16, in place (buffers, such as RoPE's inverse
+    frequencies, keep their dtype, as in a model transformers loads with ``dtype=torch.bfloat16``); returns how many
+    parameters were converted. A tied output embedding stays tied (one tensor). Call before ``add_lora``: peft then
+    makes the adapter's A/B matrices fp32 (``get_peft_model``'s ``autocast_adapter_dtype``)."""
+    converted = 0
+    for param in base.parameters():
+        if param.is_floating_point() and param.dtype != torch.bfloat16:
+            param.data = param.data.to(torch.bfloat16)
+            converted += 1
+    return converted
 
 
-def use_gradient_checkpointing(model, setting: str = "auto") -> bool:
-    """Turn gradient checkpointing on for ``model`` when ``setting`` is ``"on"``, or ``"auto"`` and the base model
-    has more than ``CHECKPOINTING_ABOVE`` parameters (Qwen2.5-1.5B in bf16 training peaks near 20 GB without it and
-    about 11 GB with it). Non-reentrant checkpointing, so the frozen inputs need no ``requires_grad``.
+CHECKPOINTING_ABOVE = 1_000_000_000  # parameters; on the CPU, "auto" turns gradient checkpointing on above this
+ACTIVATION_SHARE = 0.7  # on a GPU, "auto" checkpoints when the activations estimate exceeds this share of its memory
+TRAIN_PROMPT_TOKENS = 512  # a bound on a task prompt (chat template included) for the activations estimate
+
+
+def training_activation_bytes(config, rows: int, length: int, window: int) -> float:
+    """Estimated bytes a LoRA training forward keeps for the backward without gradient checkpointing, for ``rows``
+    sequences of ``length`` tokens with logits over the last ``window`` (+1) positions (``training.pack``), bf16
+    weights under bf16 autocast and LoRA on the seven projections of every layer.
+
+    Per token and layer, in bytes (h hidden size, kv the key/value width ``num_key_value_heads · head_dim``, i the
+    MLP width), counting what autograd saves: the two RMSNorms 8h each (fp32 input, bf16 normalised copy and output);
+    the q/k/v input 2h; attention's q, k, v and output 2·(2h + 2kv); o_proj's input 2h; gate/up's input 2h; the
+    MLP's gate, up and SiLU outputs 6i and down's input 2i; and LoRA 3d per projection of input width d (the dropout
+    mask, 1 byte, and the bf16 input of ``lora_A``): 3·(5h + h + i) for q, k, v, gate, up, o and down. Sum:
+    44h + 4kv + 11i. The logits of the window add 10 bytes per vocabulary entry (bf16 logits, fp32 log-softmax
+    input and output). Qwen2.5-1.5B (h 1536, kv 256, i 8960, 28 layers): 167,168 B per token per layer, 4.68 MB per
+    token; a paper-preset micro-step (32 rows of 768 tokens, window 256) ≈ 115 GB + 12.5 GB of logits, so it is
+    checkpointed on an 80 GB GPU, while the bench's 8 × 220 tokens, window 16 (8.4 GB) is not.
+    """
+    h, i, layers = config.hidden_size, config.intermediate_size, config.num_hidden_layers
+    head_dim = getattr(config, "head_dim", None) or h // config.num_attention_heads
+    kv = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
+    per_token_layer = 44 * h + 4 * kv * head_dim + 11 * i
+    return rows * length * layers * per_token_layer + rows * (window + 1) * config.vocab_size * 10
+
+
+def needs_checkpointing(parameters: int, device_type: str, activation_bytes: float = 0.0,
+                        memory_bytes: float = 0.0) -> bool:
+    """``gradient_checkpointing = "auto"``'s decision: on a CUDA GPU, when the training activations
+    (``training_activation_bytes``) exceed ``ACTIVATION_SHARE`` of ``memory_bytes``, the GPU memory this process
+    may use once the model is loaded (``gpu_memory_for_training``; the rest is margin for the KV caches, the
+    allocator and the estimate's error); elsewhere (the CPU, whose memory is the machine's RAM and whose time
+    matters more) when the model has more than ``CHECKPOINTING_ABOVE`` parameters (Qwen2.5-1.5B in bf16 training
+    peaks near 20 GB without it and about 11 GB with it).
+    """
+    if device_type == "cuda":
+        return activation_bytes > ACTIVATION_SHARE * memory_bytes
+    return parameters > CHECKPOINTING_ABOVE
+
+
+def gpu_memory_for_training(device: torch.device, share: float = 1.0) -> float:
+    """Bytes of GPU memory left for training on ``device``: the free memory (``torch.cuda.mem_get_info``), and at
+    most ``share`` of the card less what this process already holds (several simulated clients on one GPU each get
+    their share, ``client_gpus``)."""
+    free, total = torch.cuda.mem_get_info(device)
+    return max(0.0, min(free, share * total - torch.cuda.memory_reserved(device)))
+
+
+def use_gradient_checkpointing(model, setting: str = "auto", *, rows: int = 8,
+                               length: int = TRAIN_PROMPT_TOKENS + 256, window: int = 256,
+                               gpu_share: float = 1.0) -> bool:
+    """Turn gradient checkpointing on for ``model`` when ``setting`` is ``"on"``, or ``"auto"`` and
+    ``needs_checkpointing`` says so for a training micro-step of ``rows`` sequences of ``length`` tokens and a
+    logits ``window`` (``Worker.load`` passes the run's: 2 · ``batch_size`` rows, prompt bound + ``max_new_tokens``).
+    On a GPU the decision reads its free memory, so call it with the model on its device. Non-reentrant
+    checkpointing, so the frozen inputs need no ``requires_grad``.
 
     Returns:
         Whether checkpointing is on.
@@ -133,7 +203,14 @@ def use_gradient_checkpointing(model, setting: str = "auto") -> bool:
     """
     if setting not in ("auto", "on", "off"):
         raise ValueError(f"gradient_checkpointing must be auto, on or off (got {setting!r})")
-    on = setting == "on" or (setting == "auto" and sum(p.numel() for p in model.parameters()) > CHECKPOINTING_ABOVE)
+    on = setting == "on"
+    if setting == "auto":
+        device = model_device(model)
+        gpu = device.type == "cuda"
+        on = needs_checkpointing(
+            sum(p.numel() for p in model.parameters()), device.type,
+            training_activation_bytes(model.config, rows, length, window) if gpu else 0.0,
+            gpu_memory_for_training(device, gpu_share) if gpu else 0.0)
     if on:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     return on

@@ -1,0 +1,178 @@
+"""The decode step compiled once per process, over a static KV cache (``compile_decode``; on by default on a GPU).
+
+What is compiled: the model's forward for one new token per row (a decode step), through transformers' own machinery
+— ``generate`` given a ``StaticCache`` and a ``CompileConfig`` compiles ``model.__call__`` with ``torch.compile`` and
+uses it for every step after the prefill (``GenerationMixin.get_compiled_call``); the prefill (the prompt, any length)
+stays eager. On a CUDA GPU the backend is inductor in mode ``"reduce-overhead"`` (CUDA graphs: a step is replayed as
+one graph, not launched kernel by kernel from Python; transformers' default for a compiled decode. Qwen2.5-1.5B's
+shape in bf16 with a LoRA adapter at batch 32: 53.6 ms per step eager, 14.0 ms compiled with a static cache, in the
+2026-11-27 H100 probe of issue 40, where the weights stream in 2.1 ms). Sampling, stopping and
+every logits processor are ``generate``'s own, unchanged: greedy answers are the eager ones (up to rounding, see
+``tests/test_compiled_decode.py``) and sampled answers are the current policy's.
+
+Why the adapter can change without a recompile: torch.compile treats a module's parameters as inputs of the graph
+(guarded on shape, dtype and device, not values), and CUDA graphs read them at fixed addresses. ``set_adapter``
+(``peft.set_peft_model_state_dict`` → ``load_state_dict``, which ``copy_``s into each parameter), the optimiser's
+steps and ``Evaluator``'s loads all write the LoRA tensors in place, so every round's adapter is read by the same
+graph. Merging the adapter into the base weights (``model.merged_adapter``) would replace tensors, so the compiled
+path never merges.
+
+Static shapes, bucketed (decisions, 2026-11-27):
+
+- **batch**: a chunk of n contexts runs as ``batch_bucket(n)`` rows, the next power of two (1, 2, 4, … 64): the
+  extra rows repeat the last context and are stopped after their first token (``generation.generate``), their
+  answers dropped. A padded row costs little on a GPU (the probe's eager step: 49.6 ms at batch 8, 53.6 at 32).
+- **cache length**: prompt (left padded to the chunk's longest) + ``max_new_tokens``, rounded up to a multiple of
+  ``CACHE_STEP`` = 256 positions. Attention reads the whole static cache (masked), so a coarser step would cost
+  bandwidth on every step.
+- One ``StaticCache`` per (batch, length) bucket is kept for the life of the model and zeroed before each use, so
+  its tensors keep their addresses (what CUDA graphs need) and a new round allocates nothing. Memory:
+  2 · layers · kv_heads · head_dim · length · batch values per bucket (Qwen2.5-1.5B, batch 32, 768 positions, bf16:
+  0.7 GB).
+- ``dynamic=None`` (torch's and transformers' default, "automatic dynamic"): the first bucket compiles a static
+  graph; the first bucket with another batch compiles once more with the batch symbolic, the first with another
+  cache length once more with the length symbolic, and later buckets reuse that graph (a batch of 1 is always its
+  own graph). So a process compiles at most four graphs whatever the mix of batches and prompt lengths (counted on
+  the CPU with the tiny model, static caches of (batch, length) (4, 64), (8, 64), (16, 64), (8, 128), (16, 192),
+  (2, 64), (1, 64) in turn: 1, 2, 2, 3, 3, 3, 4 graphs in all), and CUDA graphs are recorded once per bucket.
+  Within a bucket nothing recompiles (a new prompt length, a new batch size of the same bucket, a new adapter):
+  ``tests/test_compiled_decode.py`` counts it.
+
+Not compiled: the prefill, training, log-likelihood scoring and evaluation's forwards (eager; their shapes vary).
+Prefix sharing (``generate``'s ``reuse_prefix``, a CPU saving) is off on this path: the static cache is filled by
+one prefill of the padded batch.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass, field
+
+import torch
+
+COMPILE_DECODE = ("auto", "on", "off")
+CACHE_STEP = 256  # positions; static cache lengths are multiples of this
+CUDA_MODE = "reduce-overhead"  # torch.compile mode on a CUDA GPU: inductor with CUDA graphs
+BACKEND = "inductor"  # torch.compile backend (tests may use "aot_eager": same kernels as eager, compiles in seconds)
+ATTRIBUTE = "fedspear_compiled_decode"  # where a model keeps its CompiledDecode
+
+
+def compiles_decode(setting: str, device: torch.device) -> bool:
+    """Whether ``compile_decode = setting`` compiles the decode step of a model on ``device``: ``"on"`` yes,
+    ``"off"`` no, ``"auto"`` on a CUDA GPU only: on the CPU, inductor takes about a minute per process to compile
+    even the tiny test model (this project's 2-core machine, shared), and whether the compiled step beats the CPU's
+    own kernels (``cpu_kernels``) is not measured.
+
+    Raises:
+        ValueError: ``setting`` is not auto, on or off.
+    """
+    if setting not in COMPILE_DECODE:
+        raise ValueError(f"compile_decode must be auto, on or off (got {setting!r})")
+    return setting == "on" or (setting == "auto" and device.type == "cuda")
+
+
+def batch_bucket(n: int) -> int:
+    """Rows a chunk of ``n`` contexts runs as: the next power of two ≥ ``n`` (1 → 1, 3 → 4, 5 → 8, 32 → 32)."""
+    if n < 1:
+        raise ValueError(f"a batch needs at least one row (got {n})")
+    return 1 << (n - 1).bit_length()
+
+
+def cache_bucket(positions: int) -> int:
+    """Static cache length for ``positions`` (prompt + new tokens): rounded up to a multiple of ``CACHE_STEP``."""
+    return max(1, -(-positions // CACHE_STEP)) * CACHE_STEP
+
+
+@dataclass
+class CompiledDecode:
+    """A model's compiled decode: the ``CompileConfig`` ``generate`` compiles its forward with (one object for the
+    model's life, so transformers compiles once: ``get_compiled_call`` keeps the compiled forward while the config
+    is equal) and its static KV caches by (batch, length) bucket."""
+
+    compile_config: object
+    caches: dict = field(default_factory=dict)
+
+    def cache(self, model, batch: int, length: int):
+        """The ``StaticCache`` of bucket (``batch``, ``length``) for ``model``, zeroed (made on first use, on the
+        model's device: its position counter is a tensor made at construction)."""
+        from transformers import StaticCache
+        from transformers.cache_utils import StaticLayer
+
+        from .model import model_device
+
+        key = (batch, length)
+        if key not in self.caches:
+            with model_device(model):
+                cache = StaticCache(config=model.config, max_cache_len=length)
+                if all(type(layer) is StaticLayer for layer in cache.layers):
+                    cache.layers = [one_dtype_layer_class()(max_cache_len=length) for _ in cache.layers]
+            self.caches[key] = cache
+        cache = self.caches[key]
+        cache.reset()
+        return cache
+
+    def generate_kwargs(self, model, rows: int, positions: int) -> dict:
+        """What transformers' ``generate`` needs to decode ``rows`` sequences of up to ``positions`` tokens (prompt
+        + new) with the compiled step: ``past_key_values`` (the bucket's static cache, zeroed) and
+        ``compile_config``. Ask again for every ``generate`` call: a cache holds one call's tokens. ``rows`` is the
+        batch ``generate`` is given; pad it to ``batch_bucket(rows)`` to share graphs and caches between batch
+        sizes (``generation.generate`` does; a benchmark at batch 1, 8 or 32 is a bucket already)."""
+        return {"past_key_values": self.cache(model, rows, cache_bucket(positions)),
+                "compile_config": self.compile_config}
+
+
+@functools.cache
+def one_dtype_layer_class():
+    """The :class:`OneDtypeStaticLayer` class (defined on first use: transformers is imported lazily)."""
+    from transformers.cache_utils import StaticLayer
+
+    class OneDtypeStaticLayer(StaticLayer):
+        """transformers' ``StaticLayer`` holding keys and values in one dtype, the wider of the two it is given.
+
+        ``StaticLayer`` allocates both in the keys' dtype. On the CPU's bf16 path (bf16 linear weights, fp32
+        residual stream, ``cpu_kernels.store_linear_weights_bf16``) RoPE turns the keys fp32 while the values leave
+        ``v_proj`` in bf16, and writing them fails; a bf16 value widened to fp32 is exact, so attention reads what
+        the eager path reads. Where both come in one dtype (a model held in bf16 on a GPU) nothing changes.
+        """
+
+        def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+            dtype = torch.promote_types(key_states.dtype, value_states.dtype)
+            return super().update(key_states.to(dtype), value_states.to(dtype), *args, **kwargs)
+
+    return OneDtypeStaticLayer
+
+
+def use_compiled_decode(model, setting: str = "auto", *, backend: str | None = None, mode: str | None = None) -> bool:
+    """Make ``runtime.generation.generate`` decode ``model`` with a compiled step (``compiles_decode``), or
+    eagerly; returns whether compiled. Called once after the adapter is added (``Worker.load``, ``Evaluator``);
+    calling it again with the same answer keeps the compiled step and its caches.
+
+    ``backend`` (default ``BACKEND``) and ``mode`` (default ``CUDA_MODE`` on a GPU, torch's default elsewhere) go
+    to ``torch.compile``.
+
+    Raises:
+        ValueError: ``setting`` is not auto, on or off.
+    """
+    from transformers import CompileConfig
+
+    from .model import model_device
+
+    device = model_device(model)
+    if not compiles_decode(setting, device):
+        if compiled_decode(model) is not None:
+            delattr(model, ATTRIBUTE)
+        return False
+    gpu = device.type == "cuda"
+    config = CompileConfig(fullgraph=False, dynamic=None, backend=backend or BACKEND,
+                           mode=mode or (CUDA_MODE if gpu else "default"))
+    if not gpu:
+        config._compile_all_devices = True  # transformers compiles on accelerators only unless told
+    current = compiled_decode(model)
+    if current is None or current.compile_config != config:
+        setattr(model, ATTRIBUTE, CompiledDecode(config))
+    return True
+
+
+def compiled_decode(model) -> CompiledDecode | None:
+    """``model``'s compiled decode (``use_compiled_decode``), or None: it decodes eagerly."""
+    return model.__dict__.get(ATTRIBUTE)

@@ -1,0 +1,296 @@
+"""The compiled decode (``fedspear.runtime.compiled``, ``compile_decode``): the same greedy answers as eager decoding,
+compiled once — not again when the adapter's values change each round, nor for another batch size of the same bucket.
+
+On the CPU the compiled path is forced on with the tiny model and torch.compile's ``aot_eager`` backend (dynamo's
+graph capture, guards and recompilation — what these tests are about — with eager kernels; it compiles the tiny
+model in seconds where inductor's C++ code generation takes 40–80 s on this 2-core machine). Compilations are
+counted by a backend that wraps ``aot_eager`` (``Counting``): each graph it is handed is one compilation, each call
+of a graph one compiled decode step. The ``gpu`` test runs the default, inductor with CUDA graphs, on a CUDA GPU.
+
+**Tolerance.** fp32: greedy answers equal eager ones exactly (the compiled step runs the same operations; inductor
+on this CPU gave the same 12 of 12 answers too, checked by hand). bf16: inductor fuses operations and rounds
+intermediate values differently, and a greedy answer may then part from eager's where two tokens' logits are within
+rounding of each other; from there on the answers differ. So in bf16 the test checks that every token of a compiled
+answer is a greedy choice of the *eager* model up to ``BF16_TOLERANCE``: with the answer so far as context
+(teacher-forced, one eager forward), its logit is within τ of the largest, τ = 16 bf16 units in the last place of
+that largest logit (16 · 2^(⌊log₂|max|⌋ − 7); 0.0625 for the tiny model's logits of ≈ 0.8). Measured on this CPU
+with inductor: at most 0.043 (4–7 of 12 answers identical, the rest parting at such near-ties of a random model);
+with ``aot_eager``, 0 (all identical). bf16 is tested on the CPU in the GPU's layout (every parameter in bf16,
+``bf16_parameters``) everywhere, and in the CPU's own layout where the CPU has bf16 units.
+"""
+
+from __future__ import annotations
+
+
+import numpy as np
+import pytest
+import torch
+
+from fedspear.interaction import render
+from fedspear.runtime import compiled
+from fedspear.runtime.compiled import batch_bucket, cache_bucket, compiled_decode, compiles_decode, use_compiled_decode
+from fedspear.runtime.cpu_kernels import bf16_supported
+from fedspear.runtime.generation import generate
+from fedspear.runtime.model import (LoraSettings, add_lora, autocast, bf16_parameters, get_adapter, load_base,
+                                    model_device, set_adapter, tiny_model)
+from fedspear.tasks import arc_challenge
+
+NEW = 8  # new tokens per answer: enough to see answers part, few enough to keep eager decoding fast
+BF16_ULPS = 16
+
+
+class Counting:
+    """A torch.compile backend that counts: ``compiles`` graphs handed to it, ``calls`` runs of them (``aot_eager``
+    does the work)."""
+
+    def __init__(self):
+        self.compiles = 0
+        self.calls = 0
+
+    def __deepcopy__(self, memo):  # generate deep-copies its generation config, compile_config's backend with it
+        return self
+
+    def __call__(self, graph, example_inputs):
+        self.compiles += 1
+        run = torch._dynamo.lookup_backend("aot_eager")(graph, example_inputs)
+
+        def counted(*args):
+            self.calls += 1
+            return run(*args)
+        return counted
+
+
+@pytest.fixture
+def counting():
+    """A fresh ``Counting`` backend, with dynamo's caches cleared (a graph compiled by an earlier test must not be
+    reused or count against the recompile limit)."""
+    torch._dynamo.reset()
+    yield Counting()
+    torch._dynamo.reset()
+
+
+def _model(dtype: str, layout: str = "cpu-kernels"):
+    """The tiny model with a random adapter (B ≠ 0, so the adapter changes the answers): as ``load_base`` makes it
+    for this CPU, or with ``layout = "bf16-parameters"`` every parameter in bf16, as ``load_base`` holds it on a
+    GPU."""
+    if layout == "bf16-parameters":
+        base, tokenizer = tiny_model()
+        bf16_parameters(base)
+        dtype_used = "bf16"
+    else:
+        base, tokenizer, dtype_used = load_base("tiny-random", dtype, "cpu")
+    model = add_lora(base, LoraSettings(r=4, alpha=8, dropout=0.0), seed=0)
+    set_adapter(model, _adapter(model, seed=1))
+    return model, tokenizer, dtype_used
+
+
+def _adapter(model, seed: int, scale: float = 0.3) -> dict[str, np.ndarray]:
+    rng = np.random.default_rng(seed)
+    return {k: (scale * rng.standard_normal(v.shape)).astype(np.float32) for k, v in get_adapter(model).items()}
+
+
+def _contexts(tokenizer, items) -> list[list[int]]:
+    """Six ARC prompts and their first halves: 12 contexts of 61–143 tokens (left padding within a batch)."""
+    full = [render(tokenizer, [arc_challenge.prompt(ex)]) for ex in items]
+    return full + [c[: len(c) // 2] for c in full]
+
+
+def _answers(model, tokenizer, contexts, dtype_used, **kwargs) -> list[list[int]]:
+    return generate(model, tokenizer, contexts, max_new_tokens=NEW, dtype_used=dtype_used, do_sample=False, **kwargs)
+
+
+@torch.no_grad()
+def near_greedy_gap(model, contexts, answers, dtype_used: str) -> float:
+    """The largest shortfall, over every token of every answer, of that token's logit below the largest logit of the
+    eager model given the context and the answer so far (one teacher-forced forward per answer), in units of
+    ``BF16_ULPS`` bf16 places of that largest logit: ≤ 1 means every token is greedy up to the bf16 tolerance."""
+    model.eval()
+    device = model_device(model)
+    worst = 0.0
+    for context, answer in zip(contexts, answers):
+        ids = torch.tensor([list(context) + list(answer)], device=device)  # [1, C + A]
+        with autocast(dtype_used, device.type):
+            logits = model(input_ids=ids).logits[0, len(context) - 1 : len(context) - 1 + len(answer)].float()
+        top = logits.max(-1).values  # [A]
+        chosen = logits[torch.arange(len(answer), device=device), torch.tensor(answer, device=device)]  # [A]
+        ulp = torch.exp2(torch.floor(torch.log2(top.abs().clamp(min=1e-30))) - 7)  # bf16: 8 significant bits
+        worst = max(worst, float(((top - chosen) / (BF16_ULPS * ulp)).max()))
+    return worst
+
+
+def test_buckets_and_the_setting():
+    """Batch buckets are powers of two, cache lengths multiples of 256; auto compiles on a GPU only."""
+    assert [batch_bucket(n) for n in (1, 2, 3, 4, 5, 8, 9, 32, 33)] == [1, 2, 4, 4, 8, 8, 16, 32, 64]
+    assert [cache_bucket(n) for n in (1, 256, 257, 700)] == [256, 256, 512, 768]
+    cpu, gpu = torch.device("cpu"), torch.device("cuda", 0)
+    assert (compiles_decode("auto", cpu), compiles_decode("auto", gpu)) == (False, True)
+    assert compiles_decode("on", cpu) and not compiles_decode("off", gpu)
+    with pytest.raises(ValueError, match="auto, on or off"):
+        compiles_decode("yes", cpu)
+    with pytest.raises(ValueError, match="at least one row"):
+        batch_bucket(0)
+
+
+def test_set_adapter_writes_the_lora_tensors_in_place(tiny):
+    """A compiled step reads the LoRA tensors where they are: ``set_adapter`` must copy into them, not replace them
+    (peft's ``set_peft_model_state_dict`` → ``load_state_dict``, which ``copy_``s)."""
+    model, _ = tiny
+    before = get_adapter(model)
+    params = {n: p for n, p in model.named_parameters() if "lora_" in n}
+    pointers = {n: p.data_ptr() for n, p in params.items()}
+    new = _adapter(model, seed=7)
+    set_adapter(model, new)
+    assert {n: p.data_ptr() for n, p in params.items()} == pointers
+    after = get_adapter(model)
+    assert all(np.array_equal(after[k], new[k]) for k in new) and not all(np.array_equal(after[k], before[k])
+                                                                             for k in new)
+    set_adapter(model, before)
+
+
+def test_use_compiled_decode_attaches_and_detaches(tiny):
+    model, _ = tiny
+    assert use_compiled_decode(model, "on", backend="aot_eager") and compiled_decode(model) is not None
+    first = compiled_decode(model)
+    assert use_compiled_decode(model, "on", backend="aot_eager") and compiled_decode(model) is first  # kept
+    kwargs = first.generate_kwargs(model, 4, 300)  # a bench times transformers' generate with these
+    assert kwargs["compile_config"] is first.compile_config and kwargs["past_key_values"].layers[0].max_cache_len == 512
+    assert first.generate_kwargs(model, 4, 257)["past_key_values"] is kwargs["past_key_values"]  # one per bucket
+    assert not use_compiled_decode(model, "auto") and compiled_decode(model) is None  # auto: off on the CPU
+    assert not use_compiled_decode(model, "off") and compiled_decode(model) is None
+
+
+def test_greedy_answers_equal_eager_in_fp32(counting, arc_items):
+    """(a) 12 contexts of different lengths in one batch (bucket 16, 4 padding rows): the compiled answers and the
+    first-step logits (log-likelihood scoring reads them) are eager's; a second batch size splits them in 3 + 3 +
+    … chunks and still agrees."""
+    model, tokenizer, dtype_used = _model("fp32")
+    contexts = _contexts(tokenizer, arc_items)
+    first_eager: list[torch.Tensor] = []
+    eager = _answers(model, tokenizer, contexts, dtype_used, first_logits=first_eager)
+    assert use_compiled_decode(model, "on", backend=counting)
+    first: list[torch.Tensor] = []
+    assert _answers(model, tokenizer, contexts, dtype_used, first_logits=first) == eager
+    assert counting.compiles >= 1 and counting.calls >= 1  # the decode steps ran compiled
+    assert len(first) == len(contexts)
+    assert all(torch.allclose(a, b, atol=1e-4, rtol=1e-4) for a, b in zip(first, first_eager))
+    assert _answers(model, tokenizer, contexts, dtype_used, batch_size=5) == eager  # buckets 8, 8, 2
+
+
+@pytest.mark.parametrize("layout", ["bf16-parameters", "cpu-kernels"])
+def test_greedy_answers_are_eager_greedy_within_the_bf16_tolerance(layout, counting, arc_items):
+    """(a) in bf16: every token of every compiled answer is a greedy choice of the eager model up to the module
+    docstring's tolerance (``near_greedy_gap`` ≤ 1), in the GPU's layout (all parameters bf16) and the CPU's (bf16
+    linear weights, fp32 residual: keys and values leave attention in different dtypes, the static cache holds
+    both in fp32)."""
+    if layout == "cpu-kernels" and not bf16_supported():
+        pytest.skip("this CPU has no bf16 units: load_base computes in fp32 here, the CPU's bf16 layout is untested")
+    model, tokenizer, dtype_used = _model("bf16", layout)
+    assert dtype_used == "bf16"
+    contexts = _contexts(tokenizer, arc_items)
+    eager = _answers(model, tokenizer, contexts, dtype_used)
+    assert use_compiled_decode(model, "on", backend=counting)
+    answers = _answers(model, tokenizer, contexts, dtype_used)
+    assert counting.compiles >= 1 and counting.calls >= 1
+    assert near_greedy_gap(model, contexts, answers, dtype_used) <= 1
+    assert sum(a == b for a, b in zip(answers, eager)) >= len(contexts) // 2  # most are identical
+
+
+def test_a_new_adapter_does_not_recompile(counting, arc_items):
+    """(b) Two rounds: adapter A, then adapter B written in place. The second round compiles nothing, runs its
+    decode steps compiled, and answers as eager decoding with B does — not as with A, so an adapter baked into the
+    graph (constants instead of inputs) would fail here."""
+    model, tokenizer, dtype_used = _model("fp32")
+    contexts = _contexts(tokenizer, arc_items)[:6]
+    first, second = _adapter(model, seed=1), _adapter(model, seed=2)
+    set_adapter(model, second)
+    eager_second = _answers(model, tokenizer, contexts, dtype_used)
+    set_adapter(model, first)
+    eager_first = _answers(model, tokenizer, contexts, dtype_used)
+    assert eager_first != eager_second
+
+    use_compiled_decode(model, "on", backend=counting)
+    assert _answers(model, tokenizer, contexts, dtype_used) == eager_first
+    compiles, calls = counting.compiles, counting.calls
+    assert compiles >= 1 and calls >= 1
+    set_adapter(model, second)
+    assert _answers(model, tokenizer, contexts, dtype_used) == eager_second
+    assert counting.compiles == compiles  # no recompilation for the new adapter's values
+    assert counting.calls > calls  # and its steps ran in the graph compiled for the first
+
+
+def test_client_rounds_with_training_between_compile_once(counting, monkeypatch, arc_items):
+    """(b) Two SPEAR client-rounds of a worker (``compile_decode = "on"``): round 1 answers, trains (the optimiser
+    writes the adapter in place) and returns its adapter; round 2 starts from it. Round 2 compiles nothing; its
+    answers are eager's for the adapter it starts from."""
+    from helpers import Alternate, make_worker, nonzero_start
+
+    monkeypatch.setattr(compiled, "BACKEND", counting)
+    worker = make_worker(compile_decode="on", dtype="fp32", max_revisions=0, rollouts_per_round=3)
+    assert compiled_decode(worker.model) is not None
+    start = nonzero_start(worker)
+    partition = list(range(6))
+    after_first, metrics = worker.round(worker.loaded, start, partition, 0, 1, 1e-1, feedback_source=Alternate())
+    assert metrics["steps"] >= 1 and counting.compiles >= 1
+    assert any(not np.array_equal(after_first[k], start[k]) for k in start)  # training changed the adapter
+    compiles, calls = counting.compiles, counting.calls
+    worker.round(worker.loaded, after_first, partition, 0, 2, 1e-1, feedback_source=Alternate())
+    assert counting.compiles == compiles and counting.calls > calls
+
+
+def test_batch_sizes_of_one_bucket_share_a_graph(counting, arc_items):
+    """(c) 3 and 4 contexts both run as 4 rows: one compilation (without buckets the batch dimension would change
+    and recompile); 5 contexts (8 rows) compile again — the count sees a recompilation when there is one. The 3
+    contexts' answers are the same alone and beside a fourth."""
+    model, tokenizer, dtype_used = _model("fp32")
+    use_compiled_decode(model, "on", backend=counting)
+    contexts = _contexts(tokenizer, arc_items)
+    three = _answers(model, tokenizer, contexts[:3], dtype_used)
+    assert counting.compiles == 1
+    four = _answers(model, tokenizer, contexts[:4], dtype_used)
+    assert counting.compiles == 1 and four[:3] == three
+    _answers(model, tokenizer, contexts[6:9], dtype_used)  # other prompt lengths, same bucket
+    assert counting.compiles == 1
+    _answers(model, tokenizer, contexts[:5], dtype_used)
+    assert counting.compiles == 2
+
+
+def test_a_sampled_batch_samples_the_policy(counting, arc_items):
+    """Sampling goes through the compiled step too: 5 contexts (8 rows, 3 of them padding) give 5 answers, each
+    within the budget and seeded: the same seed gives the same answers."""
+    model, tokenizer, dtype_used = _model("fp32")
+    use_compiled_decode(model, "on", backend=counting)
+    contexts = _contexts(tokenizer, arc_items)[:5]
+    runs = []
+    for _ in range(2):
+        torch.manual_seed(3)
+        runs.append(generate(model, tokenizer, contexts, max_new_tokens=NEW, dtype_used=dtype_used))
+    assert runs[0] == runs[1] and len(runs[0]) == 5 and all(0 < len(a) <= NEW for a in runs[0])
+    assert counting.calls >= 1
+
+
+@pytest.mark.gpu
+def test_on_a_gpu_the_default_compiled_decode_matches_eager_and_compiles_once(arc_items):
+    """The GPU's defaults: ``load_base`` holds the parameters in bf16 (LoRA fp32), ``compile_decode = "auto"``
+    compiles with inductor and CUDA graphs. Compiled answers are eager-greedy within the bf16 tolerance; a second
+    adapter, written in place, compiles nothing and changes the answers."""
+    from torch._dynamo.utils import counters
+
+    torch._dynamo.reset()
+    base, tokenizer, dtype_used = load_base("tiny-random", "bf16", "cuda")
+    model = add_lora(base, LoraSettings(r=4, alpha=8, dropout=0.0), seed=0)
+    assert {p.dtype for n, p in model.named_parameters() if "lora_" not in n} == {torch.bfloat16}
+    assert {p.dtype for n, p in model.named_parameters() if "lora_" in n} == {torch.float32}
+    contexts = _contexts(tokenizer, arc_items)
+    set_adapter(model, _adapter(model, seed=1))
+    eager = _answers(model, tokenizer, contexts, dtype_used)
+    assert use_compiled_decode(model, "auto")
+    graphs = counters["stats"]["unique_graphs"]
+    answers = _answers(model, tokenizer, contexts, dtype_used)
+    compiled_graphs = counters["stats"]["unique_graphs"]
+    assert compiled_graphs > graphs
+    assert near_greedy_gap(model, contexts, answers, dtype_used) <= 1
+    assert sum(a == b for a, b in zip(answers, eager)) >= len(contexts) // 2
+    set_adapter(model, _adapter(model, seed=2))
+    again = _answers(model, tokenizer, contexts, dtype_used)
+    assert counters["stats"]["unique_graphs"] == compiled_graphs and again != answers
+    assert near_greedy_gap(model, contexts, again, dtype_used) <= 1

@@ -1,0 +1,100 @@
+"""What a GPU run decides without needing a GPU to decide it: bf16 parameters with an fp32 adapter
+(``runtime.model.bf16_parameters``), when ``gradient_checkpointing = "auto"`` checkpoints (``needs_checkpointing``, a
+pure function of parameter count, activations estimate and free memory), and how many simulated clients share a GPU
+(``fl.simulation.backend_config``, counted by Flower's own ``pool_size_from_resources``)."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+import torch
+
+from fedspear.config import ConfigError, RunConfig
+from fedspear.runtime.model import (ACTIVATION_SHARE, CHECKPOINTING_ABOVE, LoraSettings, add_lora, autocast,
+                                    bf16_parameters, get_adapter, needs_checkpointing, tiny_model,
+                                    training_activation_bytes, use_gradient_checkpointing)
+
+QWEN_1_5B = SimpleNamespace(hidden_size=1536, intermediate_size=8960, num_hidden_layers=28, num_attention_heads=12,
+                            num_key_value_heads=2, head_dim=128, vocab_size=151936)
+
+
+def test_bf16_parameters_keep_buffers_ties_and_an_fp32_adapter():
+    """Every parameter bf16, RoPE's inverse frequencies (a buffer) untouched, the tied output embedding still the
+    input one; peft's adapter on top is fp32, gets fp32 gradients under bf16 autocast, and travels as fp32 arrays."""
+    base, _ = tiny_model()
+    buffers = {n: b.clone() for n, b in base.named_buffers()}
+    assert bf16_parameters(base) == len(list(base.parameters()))
+    assert {p.dtype for p in base.parameters()} == {torch.bfloat16}
+    assert all(torch.equal(b, buffers[n]) and b.dtype == buffers[n].dtype for n, b in base.named_buffers())
+    assert base.get_output_embeddings().weight is base.get_input_embeddings().weight
+    model = add_lora(base, LoraSettings(r=4, alpha=8, dropout=0.1), seed=0)
+    lora = {n: p for n, p in model.named_parameters() if p.requires_grad}
+    assert lora and all("lora_" in n and p.dtype == torch.float32 for n, p in lora.items())
+    for name, p in lora.items():
+        if "lora_B" in name:
+            torch.nn.init.normal_(p, std=0.1)
+    model.train()
+    ids = torch.randint(0, 1000, (2, 12), generator=torch.Generator().manual_seed(0))
+    with autocast("bf16", "cpu"):
+        loss = model(input_ids=ids, labels=ids).loss
+    loss.backward()
+    assert all(p.grad is not None and p.grad.dtype == torch.float32 and p.grad.abs().sum() > 0 for p in lora.values())
+    assert {a.dtype for a in get_adapter(model).values()} == {np.dtype("float32")}
+
+
+def test_the_activations_estimate_by_hand():
+    """Qwen2.5-1.5B per token and layer: 44·1536 + 4·(2·128) + 11·8960 = 67,584 + 1,024 + 98,560 = 167,168 bytes.
+    One row of 100 tokens, 28 layers: 100 · 28 · 167,168 = 468,070,400; its logits over a window of 9 (+1 = 10
+    positions): 10 · 151,936 · 10 = 15,193,600; sum 483,264,000."""
+    assert training_activation_bytes(QWEN_1_5B, rows=1, length=100, window=9) == 483_264_000
+    tiny = SimpleNamespace(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                           num_key_value_heads=2, vocab_size=10)  # no head_dim: 64 / 4 = 16, kv = 32
+    assert training_activation_bytes(tiny, rows=2, length=3, window=0) == 2 * 3 * 2 * (44 * 64 + 4 * 32 + 11 * 128) \
+        + 2 * 1 * 10 * 10
+
+
+def test_gradient_checkpointing_auto_decides_by_memory_on_a_gpu_and_by_size_on_the_cpu():
+    """On the CPU: more than 1B parameters. On a GPU: activations over 0.7 of the memory left, whatever the size —
+    the paper preset's micro-step (32 rows of 512 + 256 tokens) needs it on an 80 GB card, the bench's does not."""
+    assert ACTIVATION_SHARE == 0.7
+    assert needs_checkpointing(CHECKPOINTING_ABOVE + 1, "cpu") and not needs_checkpointing(CHECKPOINTING_ABOVE, "cpu")
+    gib = 2**30
+    assert not needs_checkpointing(10**10, "cuda", activation_bytes=7 * gib, memory_bytes=10 * gib)  # 7 ≤ 0.7·10
+    assert needs_checkpointing(10**6, "cuda", activation_bytes=7.1 * gib, memory_bytes=10 * gib)
+    free_h100 = 75 * gib  # an 80 GB card with a 1.5B model in bf16 loaded
+    paper = training_activation_bytes(QWEN_1_5B, rows=32, length=768, window=256)
+    bench = training_activation_bytes(QWEN_1_5B, rows=8, length=220, window=16)
+    assert paper > 100e9 and needs_checkpointing(1_780_000_000, "cuda", paper, free_h100)
+    assert bench < 10e9 and not needs_checkpointing(1_780_000_000, "cuda", bench, free_h100)
+
+
+def test_gradient_checkpointing_auto_leaves_a_small_cpu_model_alone():
+    base, _ = tiny_model()
+    assert use_gradient_checkpointing(base, "auto", rows=64, length=4096) is False
+
+
+@pytest.mark.parametrize(("gpus", "share", "actors"), [(0, 1.0, 1), (1, 1.0, 1), (1, 0.5, 2), (1, 0.25, 4),
+                                                       (1, 0.2, 5), (1, 0.3, 3), (2, 0.5, 4), (1, 0.9, 1)])
+def test_client_gpus_sets_how_many_clients_share_a_gpu(gpus, share, actors, monkeypatch):
+    """Flower's own count of actors (``pool_size_from_resources``, one Ray node with the init resources) from the
+    backend config: ⌊1 / client_gpus⌋ per GPU, one in all on the CPU (which ignores client_gpus)."""
+    import ray
+    from flwr.simulation.ray_transport.ray_actor import pool_size_from_resources
+
+    from fedspear.fl.simulation import backend_config
+
+    config = backend_config(RunConfig(client_gpus=share), cpus=2, gpus=gpus)
+    init = config["init_args"]
+    monkeypatch.setattr(ray, "nodes", lambda: [{"Resources": {"CPU": float(init["num_cpus"]),
+                                                              "GPU": float(init["num_gpus"])}}])
+    assert pool_size_from_resources(config["client_resources"]) == actors
+    assert config["client_resources"]["num_gpus"] == (share if gpus else 0.0)
+    assert init["_node_ip_address"] == "127.0.0.1"
+
+
+@pytest.mark.parametrize("value", [0, -0.5, 1.5])
+def test_client_gpus_out_of_range_is_refused_by_name(value):
+    with pytest.raises(ConfigError, match="client_gpus"):
+        RunConfig(client_gpus=value)

@@ -264,8 +264,9 @@ def test_round_record_and_tensorboard_carry_the_bytes():
 @pytest.mark.slow
 def test_a_tiny_int8_run_records_the_bytes_of_every_round(tmp_path):
     """Two rounds of the tiny model through the simulation engine with update_encoding = int8: every round's record
-    has the bytes per client and their sums; a client's reply takes about n + 4⌈n/64⌉ bytes (n adapter values) and
-    its train message more than 4n; report.md shows the section."""
+    has the bytes per client and their sums; a client's reply takes n + 4⌈n/64⌉ bytes of data (n adapter values; the
+    tiny model's n = 32,768: measured 37,459 bytes with the metrics) and its train message more than 4n; report.md
+    shows the section."""
     from safetensors.numpy import load_file
 
     out = tmp_path / "run"
@@ -283,6 +284,7 @@ def test_a_tiny_int8_run_records_the_bytes_of_every_round(tmp_path):
         up = [c["bytes_from_client"] for c in record["clients"]]
         down = [c["bytes_to_client"] for c in record["clients"]]
         assert record["bytes_from_clients"] == sum(up) and record["bytes_to_clients"] == sum(down)
-        assert all(n + 4 * math.ceil(n / 64) < b < n + 4 * math.ceil(n / 64) + 2_000 for b in up), (n, up)
+        # data n + 4⌈n/64⌉, two .npy headers, object heads and ids, and the reply's ~40 counters: < 4,000 bytes
+        assert all(n + 4 * math.ceil(n / 64) + 2 * 128 < b < n + 4 * math.ceil(n / 64) + 4_000 for b in up), (n, up)
         assert all(b > 4 * n for b in down)
     assert "## On the wire" in (out / "report.md").read_text() and "**int8**" in (out / "report.md").read_text()

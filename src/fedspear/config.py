@@ -507,6 +507,16 @@ class RunConfig:
             min=0,
         ),
     )
+    # what a client sends back (fedspear.fl.records)
+    update_encoding: str = field(
+        default="fp32",
+        metadata=_meta(
+            "how clients send their update: fp32 (the trained adapter, exact), fp16 (θ_k − θ in half precision, "
+            "half the bytes) or int8 (θ_k − θ blockwise int8 with one scale per 64 values, ≈ 27% of the bytes); "
+            "applied after DP clipping, decoded by the server before its checks and aggregation",
+            choices=["fp32", "fp16", "int8"],
+        ),
+    )
     # evaluation (SPEC §6)
     eval_every: int = field(
         default=2,

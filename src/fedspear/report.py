@@ -145,6 +145,27 @@ def _dp_line(cfg: RunConfig, rounds: Sequence[dict]) -> str:
             f"client counters and update norms in `metrics.jsonl` are not covered; `fedspear.fl.privacy`).{seeded}")
 
 
+def wire_section(cfg: RunConfig, rounds: Sequence[dict]) -> list[str]:
+    """``report.md``'s "On the wire" section: per round, the bytes sent to and received from the sampled clients
+    (MB = 10⁶ bytes; ``bytes_*`` in ``metrics.jsonl``, counted with Flower's serialisation: ``fedspear.fl.records``).
+    Empty for records without byte counts (runs made before they were recorded)."""
+    counted = [r for r in rounds if "bytes_to_clients" in r]
+    if not counted:
+        return []
+    lines = ["## On the wire", "",
+             f"Updates sent as **{cfg.update_encoding}** (`update_encoding`); the broadcast adapter is fp32. "
+             "Bytes of Flower's serialised messages per round (MB = 10⁶ bytes).", "",
+             "| round | clients | server → clients MB | clients → server MB | per client ↓ / ↑ MB |",
+             "|---|---|---|---|---|"]
+    for r in counted:
+        down = [c["bytes_to_client"] for c in r["clients"] if "bytes_to_client" in c]
+        up = [c["bytes_from_client"] for c in r["clients"] if "bytes_from_client" in c]
+        mean = lambda xs: f"{sum(xs) / len(xs) / 1e6:.3f}" if xs else "–"  # noqa: E731
+        lines.append(f"| {r['round']} | {len(down)} | {r['bytes_to_clients'] / 1e6:.3f} | "
+                     f"{r['bytes_from_clients'] / 1e6:.3f} | {mean(down)} / {mean(up)} |")
+    return lines + [""]
+
+
 def accuracy_text(ev: dict) -> str:
     """An evaluation as the CLI prints it: each accuracy with its 95% interval and n, then the parse and cut-off
     rates of the generated answers, e.g. ``generation 0.410 [0.319, 0.508] (n=100), log-likelihood 0.562 [0.534,
@@ -243,6 +264,7 @@ def write_report(path: str | Path, records: Sequence[dict], cfg: RunConfig, dtyp
             f"{s['flower_overhead']:.1f} | {s['round']:.1f} |" + (f" {epsilon_text(r)} |" if dp else "")
         )
     lines += ["", "![interaction](plots/interaction.png)", "", "![wall-clock](plots/wall_clock.png)", ""]
+    lines += wire_section(cfg, rounds)
     report = path / "report.md"
     report.write_text("\n".join(lines), encoding="utf-8")
     return report

@@ -21,6 +21,7 @@ TAGS = {
     "clients_ok": "clients/ok", "clients_failed": "clients/failed", "lr": "train/lr", "margin": "train/margin_tau",
     "steps": "train/steps", "skipped_nonfinite": "train/skipped_nonfinite", "dp_epsilon": "privacy/epsilon",
     "wall_clock": "time/wall_clock_s",
+    "bytes_to_clients": "wire/bytes_to_clients", "bytes_from_clients": "wire/bytes_from_clients",
 }
 EVAL_KEYS = ("acc_gen", "acc_ll", "parsed_gen", "cutoff_gen")
 INSTALL_HINT = "tensorboard = true needs TensorBoard: pip install 'fedspear[tensorboard]'"

@@ -9,7 +9,8 @@ The reply carries only LoRA tensors and counters (``weight`` is the aggregation 
 answers or feedback text. The adapter arrives as one flat Array whose layout is in the train config
 (``fedspear.fl.records.LAYOUT_KEY``); the reply packs the trained adapter in that same layout, so it holds the
 same single Array. Under ``dp = "client"`` Flower's ``fixedclipping_mod`` clips the reply's update before it leaves
-(``fedspear.fl.privacy.dp_clipping_mod``, on the train handler only).
+(``fedspear.fl.privacy.dp_clipping_mod``, on the train handler only); after it, ``encode_update_mod`` sends the update
+in the encoding the server asked for (``update_encoding``, ``fedspear.fl.records``).
 
 A node started with ``--node-config "partition-id=K trace-db=/path/traces.db"`` is a *human* node: instead of the
 dataset oracle it trains on the conversations people had in ``fedspear chat`` (``fedspear.human.replay``), which stay in
@@ -34,7 +35,7 @@ from fedspear.worker import Worker
 from fedspear.config import RunConfig
 from fedspear.fl.node_worker import NodeRunner, NodeSettings, partition_indices, remote_round
 from fedspear.fl.privacy import dp_clipping_mod
-from fedspear.fl.records import LAYOUT_KEY, from_record, to_record
+from fedspear.fl.records import LAYOUT_KEY, encode_update_mod, from_record, to_record
 
 app = ClientApp()
 
@@ -56,7 +57,7 @@ def partition_of(context: Context, cfg: RunConfig, worker: Worker) -> tuple[int,
     return node.partition_id, partition_indices(worker.examples, cfg, node.partition_id, bool(node.data_dir))
 
 
-@app.train(mods=[dp_clipping_mod])
+@app.train(mods=[encode_update_mod, dp_clipping_mod])  # the first listed sees the reply last: clip, then encode
 def train(msg: Message, context: Context) -> Message:
     """Set adapter → interaction → local training → reply with the adapter copy, ``weight`` and counters.
 

@@ -65,7 +65,9 @@ update norm exceeds C·(1 + ``NORM_SLACK``): a node running a ClientApp without 
 guarantee silently. The slack covers float32 arithmetic: the mod measures the norm in float32 (pairwise sums,
 relative error about 1e-6 for millions of values) and sends θ^(t) + clip(Δ) rounded to float32, which moves the
 update's norm by at most 2⁻²⁴·‖θ^(t)‖₂ ≈ 6e-8·‖θ^(t)‖₂, below 1e-3·C whenever C ≥ 6e-5·‖θ^(t)‖₂ (pick C
-above that, or honest clients are rejected).
+above that, or honest clients are rejected). With ``update_encoding`` fp16 / int8 the client encodes the clipped
+update last (``fedspear.fl.records``, its mod outside this one) and the bound grows by the encoding's error bound:
+C·(1 + ``NORM_SLACK``)·(1 + ``ENCODING_ERROR``), i.e. ×1.032 for int8.
 
 **Decision (accounting).** ``SamplingMethod.NO_AMPLIFICATION`` with ``ADD_OR_REMOVE_ONE``: fedspear's client sample
 is ``random.Random(seed·1000003 + round)`` over the nodes (``WinWeightedFedAvg.sample``), and the seed is in the
@@ -107,7 +109,7 @@ from flwr.supercore.differential_privacy import KEY_CLIPPING_NORM, compute_stdv
 
 from fedspear.config import ConfigError, RunConfig
 from fedspear.fl.strategy import WinWeightedFedAvg
-from fedspear.fl.records import from_record
+from fedspear.fl.records import ENCODING_ERROR, from_record
 
 log = logging.getLogger("fedspear")
 
@@ -118,8 +120,11 @@ STATE_FILE = "privacy_accountant.json"  # beside each round's adapter (``RunDir.
 def reply_norm_bound(cfg: RunConfig) -> float | None:
     """The update-norm bound the server enforces on every reply: ``max_update_norm``, and under ``dp = "client"``
     also C·(1 + ``NORM_SLACK``) (the smaller wins). Under ``dp = "server"`` the server clips, so only
-    ``max_update_norm`` (on the raw update, before clipping)."""
-    bounds = [b for b in (cfg.max_update_norm, cfg.dp_clip_norm * (1 + NORM_SLACK) if cfg.dp == "client" else None)
+    ``max_update_norm`` (on the raw update, before clipping). With a compressed ``update_encoding`` the decoded update
+    may exceed the clipped one's norm by the encoding's relative error, so C's bound grows by that factor
+    (``fedspear.fl.records.ENCODING_ERROR``); ``fixed_denominator_mean`` holds each update to C again."""
+    slack = (1 + NORM_SLACK) * (1 + ENCODING_ERROR[cfg.update_encoding])
+    bounds = [b for b in (cfg.max_update_norm, cfg.dp_clip_norm * slack if cfg.dp == "client" else None)
               if b is not None]
     return min(bounds) if bounds else None
 

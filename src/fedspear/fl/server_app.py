@@ -6,6 +6,7 @@ line per round. The per-round learning rate (warm-up + cosine, ``fedspear.server
 adapter's layout travel in the train config. Under differential privacy (``dp`` = client / server) the rounds go through
 Flower's fixed-clipping wrapper and the privacy ledger (``fedspear.fl.privacy.PrivateRounds``); each record then
 carries ``dp_epsilon`` and the DP settings, and the accountant's state is saved with each round's adapter.
+Each round also records the bytes every client's train message and reply take on the wire (``add_wire_bytes``).
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ from fedspear.config import RunConfig, load_config, snake_key
 from fedspear.evaluation import Evaluator
 from fedspear.fl.partition import dirichlet_partitions, partition_summary
 from fedspear.fl.privacy import STATE_FILE, PrivateRounds, reply_norm_bound
-from fedspear.fl.records import LAYOUT_KEY, from_record, layout_of, to_record
+from fedspear.fl.records import ENCODING_KEY, LAYOUT_KEY, from_record, layout_of, to_record, wire_bytes
 from fedspear.fl.strategy import WinWeightedFedAvg
 from fedspear.report import accuracy_text, round_text, write_report
 from fedspear.rundir import EmptyRoundError, RunDir, RunDirError, initial_accuracy
@@ -141,6 +142,18 @@ def _round_record(server_round: int, lr: float, replies, aggregated: bool, rejec
     }
     del record["num_wins"], record["num_losses"]
     return record
+
+
+def add_wire_bytes(record: dict, to_client: dict[int, int], from_client: dict[int, int]) -> None:
+    """Put a round's wire bytes into its record (``fedspear.fl.records.wire_bytes``): per client entry
+    ``bytes_to_client`` (its train message) and ``bytes_from_client`` (its reply, absent when none came), and the
+    round's sums ``bytes_to_clients`` / ``bytes_from_clients``; keyed by node id."""
+    for client in record["clients"]:
+        client["bytes_to_client"] = to_client.get(client["node_id"], 0)
+        if client["node_id"] in from_client:
+            client["bytes_from_client"] = from_client[client["node_id"]]
+    record["bytes_to_clients"] = sum(to_client.values())
+    record["bytes_from_clients"] = sum(from_client.values())
 
 
 def discover_partitions(grid: Grid, expected: int, timeout: float = 120.0) -> dict[int, int]:
@@ -347,12 +360,16 @@ def run_server(grid: Grid, cfg: RunConfig, on_round: Callable[[dict], None] | No
             lr = lr_at_round(server_round, cfg.rounds, cfg.lr, cfg.lr_min, cfg.warmup_ratio)
             layout = layout_of(arrays)
             config = ConfigRecord({"lr": lr, "fedspear-config": payload, **({LAYOUT_KEY: layout} if layout else {})})
+            if cfg.update_encoding != "fp32":  # fp32 sends the adapter as ever: the config stays as it was
+                config[ENCODING_KEY] = cfg.update_encoding
             driver = private or strategy  # under DP, Flower's wrapper around the strategy
             messages = list(driver.configure_train(server_round, to_record(arrays), config, grid))
+            to_client = {m.metadata.dst_node_id: wire_bytes(m) for m in messages}
             t_send = time.perf_counter()
             with progress.phase("waiting for clients"):
                 replies = list(grid.send_and_receive(messages, timeout=cfg.round_timeout))
             t_recv = time.perf_counter()
+            from_client = {r.metadata.src_node_id: wire_bytes(r) for r in replies}  # before decoding (aggregation)
             silent = {m.metadata.dst_node_id for m in messages} - {r.metadata.src_node_id for r in replies}
             for node in sorted(silent):
                 log.warning("round %d: node %d sent no reply within %g s (timed out or disconnected); dropped",
@@ -374,6 +391,7 @@ def run_server(grid: Grid, cfg: RunConfig, on_round: Callable[[dict], None] | No
             record["clients"] += [{"node_id": n, "error": f"no reply within {cfg.round_timeout:g} s"}
                                   for n in sorted(silent)]
             record["clients_failed"] += len(silent)
+            add_wire_bytes(record, to_client, from_client)
             if record["clients_ok"] == 0:
                 streak += 1
                 reasons = [f"partition {strategy.partition_of.get(c['node_id'], '?')} (node {c['node_id']}): "

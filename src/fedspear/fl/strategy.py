@@ -14,7 +14,9 @@ and FedTrimmedAvg (``flwr.server.strategy.aggregate``) can replace the weighted 
 Adapters travel packed: one flat float Array per message (``to_record``), not one Array per tensor; its layout
 (names and shapes) travels in the train message's ConfigRecord (``LAYOUT_KEY``) and the server decodes replies with
 the layout it sent. An ArrayRecord therefore holds adapter values only, which Flower's DP clipping and noise need
-(they scale and perturb every Array of the record; ``fedspear.fl.privacy``).
+(they scale and perturb every Array of the record; ``fedspear.fl.privacy``). A reply holding an encoded update
+(``update_encoding`` fp16 / int8) is decoded against θ^(t) first, in the message itself, so every check, Flower's
+DP wrapper and the aggregation see the plain adapter (``fedspear.fl.records.decode_update``).
 
 Under differential privacy (``dp_denominator`` set) the average is the fixed-denominator mean of
 ``fedspear.server.aggregation.fixed_denominator_mean`` instead of the win-weighted one, there is no zero-win guard, and
@@ -42,7 +44,7 @@ from flwr.server.strategy.aggregate import aggregate_median, aggregate_trimmed_a
 from fedspear.server.aggregation import fixed_denominator_mean, win_weighted_average
 from fedspear.server.server_opt import ServerOptState, fedadam_step, fedyogi_step
 from fedspear.server.validation import check_reply, update_norm
-from .records import LAYOUT_KEY, from_record, to_record
+from .records import LAYOUT_KEY, decode_update, encoding_of, from_record, to_record
 
 RULES = ("fedavg", "median", "trimmed_mean")
 
@@ -172,7 +174,10 @@ class WinWeightedFedAvg(FedAvg):
                 rejected[node] = "reply must hold exactly one ArrayRecord and one MetricRecord"
             else:
                 try:
-                    arrays = from_record(next(iter(msg.content.array_records.values())), self.current_layout)
+                    key, record = next(iter(msg.content.array_records.items()))
+                    if encoding_of(record) != "fp32":  # an encoded update: θ^(t) + Δ̂, in place (records.py)
+                        msg.content[key] = record = decode_update(self.current_arrays, record)
+                    arrays = from_record(record, self.current_layout)
                 except ValueError as err:
                     rejected[node] = str(err)
                     continue

@@ -45,7 +45,8 @@ PARTITIONER_DEFAULT = RunConfig.__dataclass_fields__["partitioner"].default
 # the settings the paper's ablations and robustness studies vary (SPEC §5, issue "compare"); "centralized" is
 # shorthand for one client holding all the data
 AXES = ("mu", "tau", "lambda_l", "max_revisions", "strategy", "num_clients", "dirichlet_alpha", "last_layers",
-        "centralized", "user_flip_prob", "user_irrelevant_prob", "dp", "dp_noise_multiplier", "dp_clip_norm")
+        "centralized", "user_flip_prob", "user_irrelevant_prob", "dp", "dp_noise_multiplier", "dp_clip_norm",
+        "update_encoding")
 
 NAMES = {"spear": "SPEAR", "feedback_sft": "Feedback SFT", "grpo": "GRPO", "opsd": "OPSD", "rltf_sd": "RLTF-SD",
          "opsd_authors": "OPSD (authors)"}

@@ -30,6 +30,7 @@ from fedspear.evaluation import Evaluator
 from fedspear.fl.partition import dirichlet_partitions, partition_summary
 from fedspear.fl.privacy import STATE_FILE, PrivateRounds, reply_norm_bound
 from fedspear.fl.records import LAYOUT_KEY, from_record, layout_of, to_record
+from fedspear.fl.secagg import SecureRounds
 from fedspear.fl.strategy import WinWeightedFedAvg
 from fedspear.report import accuracy_text, round_text, write_report
 from fedspear.rundir import EmptyRoundError, RunDir, RunDirError, initial_accuracy
@@ -293,6 +294,7 @@ def run_server(grid: Grid, cfg: RunConfig, on_round: Callable[[dict], None] | No
     )
     # before the model loads: a missing privacy accountant (flwr[dp]) stops the run here, not after round 0
     private = PrivateRounds(strategy, cfg) if cfg.dp != "off" else None
+    secure = SecureRounds(strategy, cfg, grid) if cfg.secure_aggregation != "off" else None  # fedspear.fl.secagg
     records = run.records()
     board = ScalarWriter(run.path, first_round=len(records)) if cfg.tensorboard else None  # before the model, too
 
@@ -334,7 +336,7 @@ def run_server(grid: Grid, cfg: RunConfig, on_round: Callable[[dict], None] | No
             if last:
                 _resume_ledger(private, run, last, records[-1])
             _count_unrecorded_release(private, run, last)
-        strategy.partition_of = discover_partitions(grid, cfg.num_clients)
+        strategy.partition_of = secure.discover_partitions() if secure else discover_partitions(grid, cfg.num_clients)
         payload = json.dumps(cfg.to_dict())
         streak = 0  # consecutive empty rounds before this one (tolerated ones are recorded with empty: true)
         for r in reversed(records):
@@ -348,17 +350,22 @@ def run_server(grid: Grid, cfg: RunConfig, on_round: Callable[[dict], None] | No
             layout = layout_of(arrays)
             config = ConfigRecord({"lr": lr, "fedspear-config": payload, **({LAYOUT_KEY: layout} if layout else {})})
             driver = private or strategy  # under DP, Flower's wrapper around the strategy
-            messages = list(driver.configure_train(server_round, to_record(arrays), config, grid))
+            messages = [] if secure else list(driver.configure_train(server_round, to_record(arrays), config, grid))
             t_send = time.perf_counter()
             with progress.phase("waiting for clients"):
-                replies = list(grid.send_and_receive(messages, timeout=cfg.round_timeout))
+                if secure is not None:  # SecAgg+: Flower's workflow sends and receives each of its stages itself
+                    replies, secure_arrays, rejected, dropped = secure.round(server_round, arrays, config)
+                else:
+                    replies = list(grid.send_and_receive(messages, timeout=cfg.round_timeout))
             t_recv = time.perf_counter()
             silent = {m.metadata.dst_node_id for m in messages} - {r.metadata.src_node_id for r in replies}
             for node in sorted(silent):
                 log.warning("round %d: node %d sent no reply within %g s (timed out or disconnected); dropped",
                             server_round, node, cfg.round_timeout)
             with progress.phase("aggregation"):
-                if private is not None:
+                if secure is not None:
+                    new_arrays = secure_arrays
+                elif private is not None:
                     new_arrays, rejected, dropped = private.aggregate_train(server_round, replies)
                 else:
                     new_record, _ = strategy.aggregate_train(server_round, replies)
@@ -371,6 +378,8 @@ def run_server(grid: Grid, cfg: RunConfig, on_round: Callable[[dict], None] | No
             record = _round_record(server_round, lr, replies, aggregated, rejected, strategy.update_norms)
             if private is not None:
                 record.update(private.ledger.record())
+            if secure is not None:
+                record.update(secure.record())
             record["clients"] += [{"node_id": n, "error": f"no reply within {cfg.round_timeout:g} s"}
                                   for n in sorted(silent)]
             record["clients_failed"] += len(silent)

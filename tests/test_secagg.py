@@ -8,7 +8,6 @@ unmasked mean can be compared with ``error_bound`` at the default settings.
 
 from __future__ import annotations
 
-import copy
 import json
 import os
 import subprocess
@@ -18,12 +17,11 @@ from types import SimpleNamespace
 
 import numpy as np
 import pytest
-from flwr.app import ConfigRecord, Context, Error, Message, RecordDict
-from flwr.common.constant import ErrorCode
+from flwr.app import ConfigRecord, Message
 
 from fedspear.config import ConfigError, RunConfig
 from fedspear.fl.records import LAYOUT_KEY, layout_of
-from fedspear.fl.secagg import SecureRounds, error_bound, make_client_app, threshold
+from fedspear.fl.secagg import LoopbackGrid, SecureRounds, error_bound, make_client_app, threshold
 from fedspear.fl.strategy import WinWeightedFedAvg
 from fedspear.server.aggregation import win_weighted_average
 
@@ -31,41 +29,6 @@ pytestmark = pytest.mark.usefixtures("task_identity")
 
 FEDSPEAR = str(Path(sys.executable).with_name("fedspear"))
 SHAPES = {"layer.lora_A": (4, 32), "layer.lora_B": (32, 4), "head.lora_A": (4, 16)}
-
-
-class LoopbackGrid:
-    """A Grid that hands each message (a deep copy: nothing is shared with the server) to the node's ClientApp with
-    that node's own Context, and returns the replies; ``silent`` = {node: stage index} makes a node send no reply
-    from that ``send_and_receive`` call on (a node that disconnected). Every reply is kept in ``received``."""
-
-    def __init__(self, app, nodes: list[int], silent: dict[int, int] | None = None):
-        self.app, self.nodes, self.silent = app, nodes, silent or {}
-        self.run = SimpleNamespace(run_id=1)
-        self.contexts = {n: Context(run_id=1, node_id=n, node_config={"partition-id": i}, state=RecordDict(),
-                                    run_config={}) for i, n in enumerate(nodes)}
-        self.calls = 0
-        self.received: list[Message] = []
-
-    def get_node_ids(self):
-        return list(self.nodes)
-
-    def send_and_receive(self, messages, *, timeout=None):
-        replies = []
-        for msg in messages:
-            node = msg.metadata.dst_node_id
-            if node in self.silent and self.calls >= self.silent[node]:
-                continue
-            sent = Message(content=copy.deepcopy(msg.content), dst_node_id=node,
-                           message_type=msg.metadata.message_type, group_id=msg.metadata.group_id)
-            try:
-                reply = self.app(sent, self.contexts[node])
-            except Exception as err:  # noqa: BLE001 - what Flower's ClientApp runner turns into an error reply
-                reply = Message(Error(code=ErrorCode.CLIENT_APP_RAISED_EXCEPTION, reason=f"{type(err).__name__}: "
-                                      f"{err}"), reply_to=sent)
-            replies.append(copy.deepcopy(reply))
-        self.calls += 1
-        self.received += replies
-        return replies
 
 
 def _theta(seed: int = 0) -> dict[str, np.ndarray]:
@@ -154,6 +117,18 @@ def test_the_server_receives_no_plain_update_and_the_mean_is_win_weighted_fedavg
     assert out.secure.record()["secagg"] == {"sampled": 4, "threshold": 3, "uploaded": 4, "weight_total": 9,
                                              "error_bound": bound}
     assert sorted(r.metrics["partition-id"] for r in out.replies) == [0, 1, 2, 3]
+
+
+def test_a_second_round_on_the_same_nodes_runs_again():
+    """The nodes keep their Context (SecAgg+ state) and the server its LegacyContext across rounds, as in a run:
+    round 2 starts the protocol again from the setup stage and aggregates the new updates."""
+    cfg, theta = _cfg(), _theta()
+    adapters, weights = _clients(theta, 4), [3, 1, 5, 1]
+    out = _run(cfg, adapters, weights, theta)
+    config = ConfigRecord({"lr": 1e-3, "fedspear-config": json.dumps(cfg.to_dict()), LAYOUT_KEY: layout_of(theta)})
+    replies, new, rejected, _ = out.secure.round(2, theta, config)
+    expected, _ = win_weighted_average(theta, adapters, weights)
+    assert rejected == {} and _max_error(new, expected) <= error_bound(cfg, 4, 10) + 1e-8
 
 
 def test_no_win_anywhere_keeps_the_adapter():

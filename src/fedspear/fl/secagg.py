@@ -113,7 +113,7 @@ from flwr.common import (
 from flwr.common.constant import MessageTypeLegacy
 from flwr.compat.common import recorddict_compat as compat
 from flwr.server import ServerConfig
-from flwr.server.client_manager import ClientManager
+from flwr.server.client_manager import ClientManager, SimpleClientManager
 from flwr.server.client_proxy import ClientProxy
 from flwr.server.compat.app_utils import start_update_client_manager_thread
 from flwr.server.compat.legacy_context import LegacyContext
@@ -469,6 +469,9 @@ class SecureRounds:
         self.context.state.array_records[MAIN_PARAMS_RECORD] = compat.parameters_to_arrayrecord(
             ndarrays_to_parameters([flat(arrays).astype(next(iter(arrays.values())).dtype)]), keep_input=True)
         self.grid.exchanges.clear()
+        # a fresh manager each round: Flower's thread registers every node it has not registered itself, and wraps
+        # the manager's methods; DefaultWorkflow starts it once per call, as this does once per round
+        self.context.client_manager = SimpleClientManager()
         thread, stop, ready = start_update_client_manager_thread(self.grid, self.context.client_manager)
         ready.wait()
         try:
@@ -526,3 +529,49 @@ class SecureRounds:
                      "uploaded": len(strategy.uploaded), "weight_total": total,
                      "error_bound": bound if math.isfinite(bound) else None}
         return replies, result, rejected, dropped
+
+
+class LoopbackGrid:
+    """A Grid in one process, for tests and ``docs/results/secagg/measure.py``: each message is handed, as a deep
+    copy (nothing shared with the server, as on the wire), to ``app`` with the destination node's own Context
+    (``partition-id`` = its index in ``nodes``; the Context's state persists, as on a SuperNode), and the replies
+    come back. A client that raises gets the error reply Flower's ClientApp runner would send. ``silent`` =
+    {node: call index} makes a node send no reply from that ``send_and_receive`` call on (a node that disconnected;
+    calls count from 0). Every reply is kept in ``received``.
+    """
+
+    def __init__(self, app: ClientApp, nodes: list[int], silent: dict[int, int] | None = None):
+        from types import SimpleNamespace
+
+        self.app, self.nodes, self.silent = app, list(nodes), silent or {}
+        self.run = SimpleNamespace(run_id=1)
+        self.contexts = {n: Context(run_id=1, node_id=n, node_config={"partition-id": i}, state=RecordDict(),
+                                    run_config={}) for i, n in enumerate(nodes)}
+        self.calls = 0
+        self.received: list[Message] = []
+
+    def get_node_ids(self) -> list[int]:
+        return list(self.nodes)
+
+    def send_and_receive(self, messages, *, timeout: float | None = None) -> list[Message]:
+        import copy
+
+        from flwr.app import Error
+        from flwr.common.constant import ErrorCode
+
+        replies = []
+        for msg in messages:
+            node = msg.metadata.dst_node_id
+            if node in self.silent and self.calls >= self.silent[node]:
+                continue
+            sent = Message(content=copy.deepcopy(msg.content), dst_node_id=node,
+                           message_type=msg.metadata.message_type, group_id=msg.metadata.group_id)
+            try:
+                reply = self.app(sent, self.contexts[node])
+            except Exception as err:  # noqa: BLE001 - what Flower's ClientApp runner turns into an error reply
+                reply = Message(Error(code=ErrorCode.CLIENT_APP_RAISED_EXCEPTION,
+                                      reason=f"{type(err).__name__}: {err}"), reply_to=sent)
+            replies.append(copy.deepcopy(reply))
+        self.calls += 1
+        self.received += replies
+        return replies

@@ -102,7 +102,7 @@ def test_the_server_receives_no_plain_update_and_the_mean_is_win_weighted_fedavg
     bound = error_bound(cfg, 4, sum(weights))
     assert bound == pytest.approx(4 * 2 * 0.01 / 2**22 * 8 / 9)
     assert out.rejected == {} and out.core.last_aggregated
-    # float32 rounding of θ^(t) + mean Δ adds at most half an ulp of ~0.1 (≈ 4e-9)
+    # both sides are rounded to float32: at most one ulp of values below 0.125 (7.5e-9) apart
     assert _max_error(out.new, expected) <= bound + 1e-8
     assert _max_error(out.new, theta) > 100 * bound  # the round moved the adapter
     received = b"".join(_all_bytes(m) for m in out.grid.received)

@@ -3,8 +3,9 @@
     PYTHONPATH=src python docs/results/secagg/measure.py --out docs/results/secagg/error.json
 
 1. Real client updates: the packaged SmolLM2-135M-Instruct with fedspear's CPU defaults (ARC-Challenge, LoRA r 16,
-   16 rollouts per client-round, 2 revisions, 2 local steps), seed 0, 10 clients; rounds 1 and 2, clients 0–3 then
-   4–7, each round starting from the plain win-weighted FedAvg of the one before. Cached in ``--cache`` (npz).
+   lr 2e-4 with 2 local steps, 2 revisions) but 8 rollouts per client-round (``--rollouts``), seed 0, 10 clients;
+   ``--rounds`` rounds (default 1) of 4 clients (0–3, then 4–7, …), each round starting from the plain win-weighted
+   FedAvg of the one before. Cached in ``--cache`` (npz).
 2. For each setting, the round's clients go through Flower's real SecAgg+ protocol in one process
    (``fedspear.fl.secagg.SecureRounds`` over ``LoopbackGrid``: SecAggPlusWorkflow + secaggplus_mod, masks and all),
    and the unmasked result is compared with ``fedspear.server.aggregation.win_weighted_average`` of the same
@@ -26,8 +27,8 @@ from pathlib import Path
 import numpy as np
 
 
-def collect(cache: Path) -> list[dict]:
-    """[{theta, clients, weights}] for rounds 1 and 2 (see the module docstring), from ``cache`` when present."""
+def collect(cache: Path, num_rounds: int, rollouts: int) -> list[dict]:
+    """[{theta, clients, weights}] per round (see the module docstring), from ``cache`` when present."""
     if cache.exists():
         data = np.load(cache, allow_pickle=True)
         return list(data["rounds"])
@@ -38,11 +39,12 @@ def collect(cache: Path) -> list[dict]:
     from fedspear.server.schedule import lr_at_round
     from fedspear.worker import Worker
 
-    cfg = RunConfig(num_clients=10, clients_per_round=4, seed=0, rounds=10)
+    cfg = RunConfig(num_clients=10, clients_per_round=4, seed=0, rounds=10, rollouts_per_round=rollouts)
     worker = Worker.load(cfg)
     theta = get_adapter(worker.model)
     rounds = []
-    for server_round, pids in ((1, [0, 1, 2, 3]), (2, [4, 5, 6, 7])):
+    for server_round in range(1, num_rounds + 1):
+        pids = [(4 * (server_round - 1) + i) % cfg.num_clients for i in range(4)]
         lr = lr_at_round(server_round, cfg.rounds, cfg.lr, cfg.lr_min, cfg.warmup_ratio)
         clients, weights = [], []
         for pid in pids:
@@ -135,8 +137,10 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, default=Path(__file__).with_name("error.json"))
     parser.add_argument("--cache", type=Path, default=Path("/tmp/fedspear-secagg-adapters.npz"))
+    parser.add_argument("--rounds", type=int, default=1)
+    parser.add_argument("--rollouts", type=int, default=8)
     args = parser.parse_args()
-    rounds = collect(args.cache)
+    rounds = collect(args.cache, args.rounds, args.rollouts)
     results = []
     for r, data in enumerate(rounds, start=1):
         deltas = [_flat(c) - _flat(data["theta"]) for c in data["clients"]]

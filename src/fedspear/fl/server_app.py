@@ -6,6 +6,8 @@ line per round. The per-round learning rate (warm-up + cosine, ``fedspear.server
 adapter's layout travel in the train config. Under differential privacy (``dp`` = client / server) the rounds go through
 Flower's fixed-clipping wrapper and the privacy ledger (``fedspear.fl.privacy.PrivateRounds``); each record then
 carries ``dp_epsilon`` and the DP settings, and the accountant's state is saved with each round's adapter.
+Under secure aggregation (``secure_aggregation = "secaggplus"``) each round's messages are Flower's SecAgg+ stages,
+sent by its workflow (``fedspear.fl.secagg.SecureRounds``); the record then carries ``secagg``.
 """
 
 from __future__ import annotations
@@ -25,7 +27,7 @@ from fedspear.arrays import layout_mismatch
 from fedspear.runtime.memory import peak_rss_mb, release_memory
 from fedspear.runtime.model import model_device
 from fedspear.tasks import load_train_examples
-from fedspear.config import RunConfig, load_config, snake_key
+from fedspear.config import ConfigError, RunConfig, load_config, snake_key
 from fedspear.evaluation import Evaluator
 from fedspear.fl.partition import dirichlet_partitions, partition_summary
 from fedspear.fl.privacy import STATE_FILE, PrivateRounds, reply_norm_bound
@@ -443,6 +445,9 @@ def main(grid: Grid, context: Context) -> None:
     overrides = {snake_key(k): v for k, v in run_config.items()}
     overrides["output_dir"] = overrides.pop("run_dir", None)
     cfg = load_config(config_file, **overrides)
+    if cfg.secure_aggregation != "off":  # the deployed ClientApp is the Message-API one (fedspear.fl.secagg)
+        raise ConfigError("secure_aggregation = \"secaggplus\" runs with `fedspear run` (simulation) only: the "
+                          "ClientApp `flwr run` deploys (pyproject.toml) is not SecAgg+'s legacy ClientApp")
     # Flower streams this process's stdout to `flwr run --stream` / `flwr log`: one line per round, as `fedspear run`
     records = run_server(grid, cfg, on_round=lambda record: print(round_text(record), flush=True))
     last = next((r for r in reversed(records) if r.get("eval")), None)

@@ -212,15 +212,17 @@ def test_settings_secaggplus_cannot_serve_are_refused(kw, words):
 @pytest.mark.slow
 def test_a_tiny_secaggplus_run_through_the_simulation_engine(tmp_path):
     """Two rounds of GRPO (weight = prompts, so every client weighs 2) on the tiny model, 3 of 3 clients, through
-    Flower's simulation engine with the legacy ClientApp: both rounds aggregate 3 uploads and move the adapter."""
+    Flower's simulation engine with the legacy ClientApp: both rounds run all four SecAgg+ stages (the second on
+    nodes that kept their SecAgg+ state) and aggregate 3 uploads; no record carries a per-client update norm."""
     out = tmp_path / "run"
     cmd = [FEDSPEAR, "run", "--model", "tiny-random", "--rounds", "2", "--clients", "3", "--clients-per-round", "3",
            "--rollouts-per-round", "2", "--eval-size", "4", "-o", str(out), "--set", "algorithm=grpo",
            "--set", "secure_aggregation=secaggplus", "--set", "secagg_clipping_range=1.0", "--set", "max_new_tokens=4",
-           "--set", "train_size=40", "--set", "lr=0.01"]
+           "--set", "train_size=40", "--set", "lr=0.01", "--set", "group_size=2", "--set", "local_steps=1",
+           "--set", "eval_generation=false"]
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(Path(__file__).parents[1] / "src"),
                                                                     os.environ.get("PYTHONPATH")])))
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=900, env=env)
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=1800, env=env)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
     records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert [r["round"] for r in records] == [0, 1, 2]

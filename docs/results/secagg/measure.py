@@ -2,10 +2,14 @@
 
     PYTHONPATH=src python docs/results/secagg/measure.py --out docs/results/secagg/error.json
 
-1. Real client updates: the packaged SmolLM2-135M-Instruct with fedspear's CPU defaults (ARC-Challenge, LoRA r 16,
-   lr 2e-4 with 2 local steps, 2 revisions) but 8 rollouts per client-round (``--rollouts``), seed 0, 10 clients;
-   ``--rounds`` rounds (default 1) of 4 clients (0–3, then 4–7, …), each round starting from the plain win-weighted
-   FedAvg of the one before. Cached in ``--cache`` (npz).
+1. Real client updates: SPEAR's client round (``fedspear.algorithms.spear.client_round``: win / lose sets, local
+   training) on the packaged SmolLM2-135M-Instruct with fedspear's CPU defaults (ARC-Challenge, LoRA r 16 on every
+   linear layer, lr schedule from 2e-4, 2 local steps of 4 wins + 4 losses, 16 prompts per client-round), seed 0, 10
+   clients, ``--rounds`` rounds (default 1) of 4 clients (0–3, then 4–7, …), each round starting from the plain
+   win-weighted FedAvg of the one before. The answers are *replayed* instead of sampled (the ``replay`` path people's
+   chats use), so that no generation runs on this shared 2-core machine: on prompt j of client k, (j + k) mod 4 = 0
+   answers the gold letter at once (a win), 1 or 2 answers a wrong letter then the gold one (a win and a loss), 3
+   answers wrong and stops (nothing). Cached in ``--cache`` (npz).
 2. For each setting, the round's clients go through Flower's real SecAgg+ protocol in one process
    (``fedspear.fl.secagg.SecureRounds`` over ``LoopbackGrid``: SecAggPlusWorkflow + secaggplus_mod, masks and all),
    and the unmasked result is compared with ``fedspear.server.aggregation.win_weighted_average`` of the same
@@ -27,7 +31,11 @@ from pathlib import Path
 import numpy as np
 
 
-def collect(cache: Path, num_rounds: int, rollouts: int) -> list[dict]:
+def _ids(tokenizer, text: str) -> list[int]:
+    return tokenizer(text, add_special_tokens=False)["input_ids"]
+
+
+def collect(cache: Path, num_rounds: int) -> list[dict]:
     """[{theta, clients, weights}] per round (see the module docstring), from ``cache`` when present."""
     if cache.exists():
         data = np.load(cache, allow_pickle=True)
@@ -37,9 +45,12 @@ def collect(cache: Path, num_rounds: int, rollouts: int) -> list[dict]:
     from fedspear.runtime.model import get_adapter
     from fedspear.server.aggregation import win_weighted_average
     from fedspear.server.schedule import lr_at_round
-    from fedspear.worker import Worker
+    from fedspear.algorithms import spear
+    from fedspear.feedback import make_feedback
+    from fedspear.runtime.model import set_adapter
+    from fedspear.worker import Worker, derived_seed, round_prompts
 
-    cfg = RunConfig(num_clients=10, clients_per_round=4, seed=0, rounds=10, rollouts_per_round=rollouts)
+    cfg = RunConfig(num_clients=10, clients_per_round=4, seed=0, rounds=10)
     worker = Worker.load(cfg)
     theta = get_adapter(worker.model)
     rounds = []
@@ -49,8 +60,19 @@ def collect(cache: Path, num_rounds: int, rollouts: int) -> list[dict]:
         clients, weights = [], []
         for pid in pids:
             t0 = time.perf_counter()
-            arrays, metrics = worker.round(cfg, theta, partition_indices(worker.examples, cfg, pid, False), pid,
-                                           server_round, lr)
+            examples = [worker.examples[i] for i in round_prompts(partition_indices(worker.examples, cfg, pid, False),
+                                                                  cfg, pid, server_round)]
+            replay = []
+            for j, example in enumerate(examples):
+                right = _ids(worker.tokenizer, f"The answer is {example.gold}.")
+                wrong = _ids(worker.tokenizer, f"The answer is {next(x for x in example.labels if x != example.gold)}.")
+                kind = (j + pid) % 4
+                replay.append([right] if kind == 0 else [wrong, right] if kind < 3 else [wrong])
+            set_adapter(worker.model, theta)
+            metrics = spear.client_round(worker, cfg.resolved(), examples, lr=lr,
+                                         seed=derived_seed(cfg.seed, "client-round", pid, server_round),
+                                         feedback=make_feedback(worker.task), replay=replay)
+            arrays = get_adapter(worker.model)
             clients.append(arrays)
             weights.append(int(metrics["weight"]))
             print(f"round {server_round} client {pid}: weight {weights[-1]}, {time.perf_counter() - t0:.0f} s",
@@ -138,9 +160,8 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=Path(__file__).with_name("error.json"))
     parser.add_argument("--cache", type=Path, default=Path("/tmp/fedspear-secagg-adapters.npz"))
     parser.add_argument("--rounds", type=int, default=1)
-    parser.add_argument("--rollouts", type=int, default=8)
     args = parser.parse_args()
-    rounds = collect(args.cache, args.rounds, args.rollouts)
+    rounds = collect(args.cache, args.rounds)
     results = []
     for r, data in enumerate(rounds, start=1):
         deltas = [_flat(c) - _flat(data["theta"]) for c in data["clients"]]

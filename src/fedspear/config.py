@@ -502,10 +502,10 @@ class RunConfig:
     secagg_threshold: float = field(
         default=0.67,
         metadata=_meta(
-            "SecAgg+ reconstruction threshold as a share of the sampled clients: t = max(2, round(value·m)) "
-            "clients must stay to the end of a round (m − t may drop out); fewer than t colluding with the server "
-            "learn nothing",
-            gt=0,
+            "SecAgg+ reconstruction threshold as a share of the m sampled clients: t = max(2, round(value·m)) must "
+            "stay to the end of a round (m − t may drop out); above 1/2 so that a server following the protocol "
+            "learns no single update, above 2/3 against one that lies about who dropped (Bonawitz et al. 2017)",
+            gt=0.5,
             max=1,
         ),
     )

@@ -15,9 +15,10 @@
    and the unmasked result is compared with ``fedspear.server.aggregation.win_weighted_average`` of the same
    adapters: max |error|, RMS error, and ‖error‖₂ / ‖mean update‖₂. Flower's stochastic rounding draws from NumPy's
    global RNG, seeded 0 here.
-3. For comparison, the same arithmetic with Flower's documented defaults applied to full parameters θ_k (what
-   Flower's own examples send: clipping_range 8, max_weight 1000): Flower's quantize/dequantize, without the masks
-   (they cancel exactly mod 2^32, as the protocol rows show).
+3. A wider sweep of settings with the same arithmetic without the masks (Flower's quantize / dequantize and the
+   weight factor; the masks cancel exactly mod 2^32, as the protocol rows show), and for comparison Flower's
+   documented defaults applied to full parameters θ_k (what Flower's own examples send: clipping_range 8,
+   max_weight 1000).
 """
 
 from __future__ import annotations
@@ -88,7 +89,8 @@ def _flat(arrays: dict) -> np.ndarray:
 
 
 def protocol_row(data: dict, clipping_range: float, quantization_range: int, max_weight: float) -> dict:
-    """One SecAgg+ round through Flower's protocol with these settings; the error against plain FedAvg."""
+    """One SecAgg+ round through Flower's protocol with these settings; the error against plain FedAvg. Both are
+    float32 adapters, so the error includes float32 rounding (≤ 1 ulp: 7.5e-9 for values below 0.125)."""
     from flwr.app import ConfigRecord
 
     from fedspear.config import RunConfig
@@ -97,6 +99,10 @@ def protocol_row(data: dict, clipping_range: float, quantization_range: int, max
     from fedspear.fl.strategy import WinWeightedFedAvg
     from fedspear.server.aggregation import win_weighted_average
 
+    from flwr.supercore.task_identity import TaskIdentity
+
+    # outside a running ServerApp Flower needs the task identity set to build messages (as tests/conftest.py does)
+    TaskIdentity.task_id, TaskIdentity.run_id, TaskIdentity.node_id = 1, 1, 0
     theta, clients, weights = data["theta"], data["clients"], data["weights"]
     n = len(clients)
     cfg = RunConfig(num_clients=n, clients_per_round=n, secure_aggregation="secaggplus",
@@ -125,28 +131,32 @@ def protocol_row(data: dict, clipping_range: float, quantization_range: int, max
             "bound_max_abs": error_bound(cfg, n, sum(weights))}
 
 
-def arithmetic_row(data: dict, clipping_range: float, quantization_range: int, max_weight: float) -> dict:
-    """Flower's mod and unmask arithmetic on full parameters θ_k (no masks), as its examples send them."""
+def arithmetic_row(data: dict, clipping_range: float, quantization_range: int, max_weight: float,
+                   encoding: str = "update") -> dict:
+    """Flower's mod and unmask arithmetic without the masks (they cancel exactly mod 2^32): each client's values
+    (its update Δ_k as fedspear sends it, or its parameters θ_k as Flower's examples send them) times q_k/Q,
+    quantised with Flower's ``quantize``, summed, ``dequantize``d, offset and scaled by Q/Σ q_k."""
     from flwr.common.secure_aggregation.quantization import dequantize, quantize
 
     from fedspear.server.aggregation import win_weighted_average
 
     theta, clients, weights = data["theta"], data["clients"], data["weights"]
-    q = quantization_range
+    q, base = quantization_range, _flat(theta)
     total, q_total, clipped = None, 0, 0
     for arrays, w in zip(clients, weights):
         q_ratio = round(w / max_weight * q)  # secaggplus_mod._collect_masked_vectors
-        x = _flat(arrays) * (q_ratio / q)
+        x = (_flat(arrays) - (base if encoding == "update" else 0.0)) * (q_ratio / q)
         clipped += int(np.sum(np.abs(x) > clipping_range))
         quantized = quantize([x], clipping_range, q)[0].astype(np.int64)
         total = quantized if total is None else total + quantized
         q_total += q_ratio
     mean = dequantize([total], clipping_range, q)[0]  # SecAggPlusWorkflow.unmask_stage
-    mean = (mean - (len(clients) - 1) * clipping_range) * (q / q_total)
-    plain, _ = win_weighted_average(theta, clients, weights)
-    return {"encoding": "parameters (Flower's examples)", "clipping_range": clipping_range,
-            "quantization_range": q, "max_weight": max_weight, "values_clipped": clipped,
-            **_errors(mean - _flat(plain).astype(np.float64), _flat(plain) - _flat(theta))}
+    mean = (mean - (len(clients) - 1) * clipping_range) * (q / q_total) + (base if encoding == "update" else 0.0)
+    wide = [{k: np.asarray(v, np.float64) for k, v in c.items()} for c in clients]  # the exact mean, in float64
+    plain, _ = win_weighted_average({k: np.asarray(v, np.float64) for k, v in theta.items()}, wide, weights)
+    return {"encoding": f"{encoding} (arithmetic)" if encoding == "update" else "parameters (Flower's examples)",
+            "clipping_range": clipping_range, "quantization_range": q, "max_weight": max_weight,
+            "values_clipped": clipped, **_errors(mean - _flat(plain), _flat(plain) - base)}
 
 
 def _errors(err: np.ndarray, update: np.ndarray) -> dict:
@@ -169,18 +179,21 @@ def main() -> None:
                 "client_update_max_abs": [float(np.abs(d).max()) for d in deltas],
                 "client_update_norm": [float(np.linalg.norm(d)) for d in deltas],
                 "theta_max_abs": float(np.abs(_flat(data["theta"])).max()), "rows": []}
-        settings = [(c, q, 16.0) for c in (0.1, 0.01, 0.001) for q in (2**16, 2**20, 2**22, 2**24)]
-        settings += [(0.01, 2**22, 100.0), (0.01, 2**22, 1000.0)]
-        for c, q, w in settings:
+        for c, q, w in ((0.01, 2**22, 16.0), (0.01, 2**16, 16.0), (0.001, 2**22, 16.0)):  # Flower's protocol
             np.random.seed(0)
             row = protocol_row(data, c, q, w)
             print(json.dumps(row), flush=True)
             info["rows"].append(row)
+        grid = [(c, q, 16.0) for c in (0.1, 0.01, 0.001) for q in (2**16, 2**20, 2**22, 2**24)]
+        grid += [(0.01, 2**22, 100.0), (0.01, 2**22, 1000.0)]
+        for c, q, w in grid:
+            np.random.seed(0)
+            info["rows"].append(arithmetic_row(data, c, q, w))
+            print(json.dumps(info["rows"][-1]), flush=True)
         for c, q, w in ((8.0, 2**22, 1000.0), (8.0, 2**22, 16.0), (1.0, 2**22, 16.0)):
             np.random.seed(0)
-            row = arithmetic_row(data, c, q, w)
-            print(json.dumps(row), flush=True)
-            info["rows"].append(row)
+            info["rows"].append(arithmetic_row(data, c, q, w, encoding="parameters"))
+            print(json.dumps(info["rows"][-1]), flush=True)
         results.append(info)
     args.out.write_text(json.dumps({"command": "PYTHONPATH=src python docs/results/secagg/measure.py",
                                     "model": "smollm2-135m", "rounds": results}, indent=1,

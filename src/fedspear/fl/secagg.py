@@ -45,8 +45,12 @@ keeps θ^(t), the zero-win guard of SPEC §4, decided from the weights, which tr
 
 **Decision (dropped clients).** SecAgg+ tolerates clients that leave after sharing their keys: the server rebuilds
 their pairwise masks from the shares of the others. A round needs t = max(2, round(``secagg_threshold``·m)) of the m
-sampled clients (every client is every other's neighbour: ``num_shares`` = all sampled clients) to the end; fewer
-than t colluding with the server learn nothing of one client's update. A client that raises (its own checks
+sampled clients (every client is every other's neighbour: ``num_shares`` = all sampled clients) to the end. Each
+client's two secrets (its mask seed and its key) are shared t-of-m and the server asks for one or the other,
+never both, per client; ``config.py`` requires ``secagg_threshold`` > 1/2 so that a server that follows the
+protocol cannot collect t shares of both; against a server that lies about who dropped, Bonawitz et al. (2017,
+"Practical secure aggregation", CCS) need t > 2m/3, so raise ``secagg_threshold`` above 2/3 when that is the
+threat. A client that raises (its own checks
 included) or does not answer within ``round_timeout`` at any stage is dropped from that stage on and recorded with
 the stage; if fewer than t remain, Flower halts the round, no aggregate exists, and the round is an empty round
 with every client's reason naming the stage, the survivors and t (``fedspear.fl.server_app.empty_round_error``:

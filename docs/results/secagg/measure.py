@@ -4,12 +4,13 @@
 
 1. Real client updates: SPEAR's client round (``fedspear.algorithms.spear.client_round``: win / lose sets, local
    training) on the packaged SmolLM2-135M-Instruct with fedspear's CPU defaults (ARC-Challenge, LoRA r 16 on every
-   linear layer, lr schedule from 2e-4, 2 local steps of 4 wins + 4 losses, 16 prompts per client-round), seed 0, 10
-   clients, ``--rounds`` rounds (default 1) of 4 clients (0–3, then 4–7, …), each round starting from the plain
-   win-weighted FedAvg of the one before. The answers are *replayed* instead of sampled (the ``replay`` path people's
-   chats use), so that no generation runs on this shared 2-core machine: on prompt j of client k, (j + k) mod 4 = 0
-   answers the gold letter at once (a win), 1 or 2 answers a wrong letter then the gold one (a win and a loss), 3
-   answers wrong and stops (nothing). Cached in ``--cache`` (npz).
+   linear layer, lr schedule from 2e-4, 2 local steps, 16 prompts per client-round) except batches of 2 wins + 2
+   losses instead of 4 + 4 (Adam's step size does not scale with the batch; half the cost on this shared machine),
+   seed 0, 10 clients, ``--rounds`` rounds (default 1) of 4 clients (0–3, then 4–7, …), each round starting from
+   the plain win-weighted FedAvg of the one before. The answers are *replayed* instead of sampled (the ``replay``
+   path people's chats use), so that no generation runs on this shared 2-core machine: on prompt j of client k,
+   (j + k) mod 4 = 0 answers the gold letter at once (a win), 1 or 2 answers a wrong letter then the gold one (a win
+   and a loss), 3 answers wrong and stops (nothing). Cached in ``--cache`` (npz).
 2. For each setting, the round's clients go through Flower's real SecAgg+ protocol in one process
    (``fedspear.fl.secagg.SecureRounds`` over ``LoopbackGrid``: SecAggPlusWorkflow + secaggplus_mod, masks and all),
    and the unmasked result is compared with ``fedspear.server.aggregation.win_weighted_average`` of the same
@@ -51,7 +52,7 @@ def collect(cache: Path, num_rounds: int) -> list[dict]:
     from fedspear.runtime.model import set_adapter
     from fedspear.worker import Worker, derived_seed, round_prompts
 
-    cfg = RunConfig(num_clients=10, clients_per_round=4, seed=0, rounds=10)
+    cfg = RunConfig(num_clients=10, clients_per_round=4, seed=0, rounds=10, batch_size=2)
     worker = Worker.load(cfg)
     theta = get_adapter(worker.model)
     rounds = []

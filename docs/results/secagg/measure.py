@@ -166,12 +166,34 @@ def _errors(err: np.ndarray, update: np.ndarray) -> dict:
             "mean_update_max_abs": float(np.abs(update).max()), "mean_update_rms": float(np.sqrt(np.mean(update ** 2)))}
 
 
+def table(path: Path) -> str:
+    """The markdown table of README.md from a results file."""
+    lines = ["| round | encoding | c | Q | max_weight | max abs error | RMS error | ‖error‖ / ‖mean update‖ | note |",
+             "|---|---|---|---|---|---|---|---|---|"]
+    for info in json.loads(path.read_text())["rounds"]:
+        for row in info["rows"]:
+            q = int(row["quantization_range"])
+            exceeded = sum("exceeds secagg_clipping_range" in r for r in row.get("refused", []))
+            note = f"{exceeded} of 4 clients refused (update beyond c), round halted" if "refused" in row else (
+                f"bound {row['bound_max_abs']:.2g}" if "bound_max_abs" in row else
+                f"{row.get('values_clipped', 0)} values clipped")
+            errors = ("—", "—", "—") if "refused" in row else (
+                f"{row['max_abs_error']:.2g}", f"{row['rms_error']:.2g}", f"{row['relative_error']:.2g}")
+            lines.append(f"| {info['round']} | {row['encoding']} | {row['clipping_range']:g} | 2^{int(math.log2(q))} | "
+                         f"{row['max_weight']:g} | {' | '.join(errors)} | {note} |")
+    return "\n".join(lines)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, default=Path(__file__).with_name("error.json"))
     parser.add_argument("--cache", type=Path, default=Path("/tmp/fedspear-secagg-adapters.npz"))
     parser.add_argument("--rounds", type=int, default=1)
+    parser.add_argument("--table", action="store_true", help="print README.md's table from --out and stop")
     args = parser.parse_args()
+    if args.table:
+        print(table(args.out))
+        return
     rounds = collect(args.cache, args.rounds)
     results = []
     for r, data in enumerate(rounds, start=1):

@@ -49,7 +49,7 @@ def _cfg(**kw) -> RunConfig:
 
 
 def _run(cfg: RunConfig, adapters: list[dict], weights: list[int], theta: dict, fail: dict[int, str] | None = None,
-         silent: dict[int, int] | None = None, server_round: int = 1):
+         silent: dict[int, int] | None = None, server_round: int = 1, server_opt: str | None = None):
     """One SecAgg+ round over 4 (or len(adapters)) loopback nodes; partition k trains to ``adapters[k]`` with
     weight ``weights[k]``; ``fail`` = {partition: message} makes that client raise in training."""
     fail = fail or {}
@@ -66,7 +66,8 @@ def _run(cfg: RunConfig, adapters: list[dict], weights: list[int], theta: dict, 
 
     nodes = [101 + 7 * i for i in range(len(adapters))]
     grid = LoopbackGrid(make_client_app(train), nodes, silent)
-    core = WinWeightedFedAvg(cfg.clients_per_round, cfg.num_clients, seed=cfg.seed)
+    core = WinWeightedFedAvg(cfg.clients_per_round, cfg.num_clients, seed=cfg.seed, server_opt=server_opt,
+                             server_lr=1e-2)
     secure = SecureRounds(core, cfg, grid)
     core.partition_of = secure.discover_partitions(timeout=1)
     config = ConfigRecord({"lr": 1e-3, "fedspear-config": json.dumps(cfg.to_dict()), LAYOUT_KEY: layout_of(theta)})
@@ -129,6 +130,21 @@ def test_a_second_round_on_the_same_nodes_runs_again():
     replies, new, rejected, _ = out.secure.round(2, theta, config)
     expected, _ = win_weighted_average(theta, adapters, weights)
     assert rejected == {} and _max_error(new, expected) <= error_bound(cfg, 4, 10) + 1e-8
+
+
+@pytest.mark.parametrize("rule", ["fedadam", "fedyogi"])
+def test_server_optimisers_step_on_the_unmasked_mean(rule):
+    """FedAdam / FedYogi (η = 1e-2) take the same step from the SecAgg+ mean as from the plain win-weighted mean
+    (``WinWeightedFedAvg.server_step`` on either): the step's sensitivity to its input is at most
+    η·(1 − β1)/τ = 0.2, so the quantisation error (< 2e-8) moves it by < 4e-9, below float32 rounding."""
+    cfg, theta = _cfg(), _theta()
+    adapters, weights = _clients(theta, 4), [3, 2, 5, 1]
+    out = _run(cfg, adapters, weights, theta, server_opt=rule)
+    plain = WinWeightedFedAvg(4, 4, server_opt=rule, server_lr=1e-2)
+    expected = plain.server_step(theta, win_weighted_average(theta, adapters, weights)[0])
+    assert out.core.opt_state.step == plain.opt_state.step == 1
+    assert _max_error(out.new, expected) <= 1e-8
+    assert _max_error(out.new, theta) > 1e-4  # the server step moved the adapter
 
 
 def test_no_win_anywhere_keeps_the_adapter():

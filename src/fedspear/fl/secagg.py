@@ -36,7 +36,11 @@ and each client adds an error below one step 2c/Q per value; the server scales t
 error per value is below ``n · 2c/Q · max_weight / Σ_k w_k`` (n clients that uploaded), and about √n times less
 typically. ``max_weight`` (default ``rollouts_per_round``, the largest weight any client-round can have: one win per
 prompt) must hold every weight: a client whose weight exceeds it refuses the round too (Flower only warns, and the
-masked sum may overflow). Settings and measured errors on real SmolLM2 adapters: docs/results/secagg/README.md.
+masked sum may overflow). Measured on real SmolLM2-135M updates (docs/results/secagg/README.md: 4 clients,
+updates up to 4e-4 per value): at the defaults c = 0.01, Q = 2^22, max_weight = 16 the error is at most 5.7e-9 per
+value, 6e-6 of the mean update's norm, about the float32 rounding of the adapter itself; Flower's example defaults
+on full parameters (c = 8, max_weight = 1000) would give 29%. c = 0.01 leaves 33× headroom over those updates; it
+must grow with lr × local steps (Adam moves a value by about lr per step).
 
 **Decision (clients with no win, w = 0).** A client with no win still takes part in every stage (leaving early would
 look like a drop and cost the threshold): q_k = 0, so its masked vector adds exactly 0 to both sums. When every

@@ -517,6 +517,50 @@ class RunConfig:
             choices=["fp32", "fp16", "int8"],
         ),
     )
+    # secure aggregation (Flower's SecAgg+ on its legacy strategy API; fedspear.fl.secagg)
+    secure_aggregation: str = field(
+        default="off",
+        metadata=_meta(
+            "off, or secaggplus: the server only ever sees the masked sum of the clients' updates, never one "
+            "client's adapter (Flower's SecAggPlusWorkflow + secaggplus_mod; needs clients_per_round ≥ 3; "
+            "fedspear.fl.secagg)",
+            choices=["off", "secaggplus"],
+        ),
+    )
+    secagg_threshold: float = field(
+        default=0.67,
+        metadata=_meta(
+            "SecAgg+ reconstruction threshold as a share of the m sampled clients: t = max(2, round(value·m)) must "
+            "stay to the end of a round (m − t may drop out); above 1/2 so that a server following the protocol "
+            "learns no single update, above 2/3 against one that lies about who dropped (Bonawitz et al. 2017)",
+            gt=0.5,
+            max=1,
+        ),
+    )
+    secagg_clipping_range: float = field(
+        default=0.01,
+        metadata=_meta(
+            "SecAgg+ range c: each value of w/max_weight·(θ_k − θ^(t)) must lie in [−c, c] (a client whose update "
+            "exceeds it refuses the round with the value); quantisation step 2c/quantization_range "
+            "(docs/results/secagg)",
+            gt=0,
+        ),
+    )
+    secagg_quantization_range: int = field(
+        default=2**22,
+        metadata=_meta(
+            "SecAgg+ quantisation levels Q (Flower's default 2^22); clients_per_round·Q must stay below 2^32",
+            min=2,
+        ),
+    )
+    secagg_max_weight: float = field(
+        default=0.0,
+        metadata=_meta(
+            "SecAgg+ largest aggregation weight a client may send; 0 = rollouts_per_round, the most a client-round "
+            "can weigh (one win per prompt; the baselines weigh by prompts). Larger values coarsen the quantisation",
+            min=0,
+        ),
+    )
     # evaluation (SPEC §6)
     eval_every: int = field(
         default=2,
@@ -636,6 +680,8 @@ class RunConfig:
             raise ConfigError(f"lr_min = {self.lr_min} exceeds lr = {self.lr}")
         if self.dp != "off":
             _check_dp(self)
+        if self.secure_aggregation != "off":
+            _check_secagg(self)
 
     # -- derived values -------------------------------------------------------------------------------------------
     def resolved(self) -> "RunConfig":
@@ -703,6 +749,34 @@ def _check_dp(cfg: RunConfig) -> None:
         raise ConfigError(
             f"dp_delta = {cfg.dp_delta:g} is not below 1/num_clients = {1 / cfg.num_clients:g}: a mechanism that "
             "publishes one whole client's update with probability δ would satisfy the guarantee; use e.g. 1e-5")
+
+
+def _check_secagg(cfg: RunConfig) -> None:
+    """Refuse settings that SecAgg+ cannot serve (fedspear.fl.secagg says why for each).
+
+    Raises:
+        ConfigError: the message names the conflicting keys and the fix.
+    """
+    key = f"secure_aggregation = {cfg.secure_aggregation!r}"
+    if cfg.clients_per_round < 3:
+        raise ConfigError(f"{key} needs clients_per_round ≥ 3 (got {cfg.clients_per_round}): with 2 clients the "
+                          "server and either client together learn the other's update, and none could drop out")
+    if cfg.aggregation != "fedavg":
+        raise ConfigError(f"{key} with aggregation = {cfg.aggregation!r}: the server only learns the weighted sum "
+                          "of the updates, so it cannot take a median or trimmed mean; use aggregation = \"fedavg\"")
+    if cfg.dp != "off":
+        raise ConfigError(f"{key} with dp = {cfg.dp!r} is not supported: dp = \"server\" clips each update on the "
+                          "server, which never sees one; dp = \"client\" would noise the win-weighted SecAgg+ mean, "
+                          "whose sensitivity is not the C/clients_per_round Flower's noise is calibrated for "
+                          "(fedspear.fl.secagg). Use one of the two")
+    if cfg.update_encoding != "fp32":
+        raise ConfigError(f"{key} with update_encoding = {cfg.update_encoding!r}: SecAgg+ quantises the masked "
+                          "update itself (secagg_quantization_range), so a client cannot encode it as well; use "
+                          "update_encoding = \"fp32\"")
+    if cfg.clients_per_round * cfg.secagg_quantization_range >= 2**32:
+        raise ConfigError(f"secagg_quantization_range = {cfg.secagg_quantization_range} with clients_per_round = "
+                          f"{cfg.clients_per_round}: the masked sum of up to clients_per_round·Q must stay below "
+                          "Flower's modulus 2^32; lower secagg_quantization_range")
 
 
 def _check(f: dataclasses.Field, value: Any) -> None:

@@ -8,4 +8,5 @@
   SuperNode keys (no Flower import of its own).
 - ``partition``: Dirichlet split of a task's train set over its gold answers (flwr-datasets).
 - ``privacy``: central differential privacy on Flower's DP wrappers.
+- ``secagg``: secure aggregation on Flower's SecAgg+ (its legacy workflow, a legacy Strategy and ClientApp).
 """

@@ -7,6 +7,8 @@ adapter's layout travel in the train config. Under differential privacy (``dp`` 
 Flower's fixed-clipping wrapper and the privacy ledger (``fedspear.fl.privacy.PrivateRounds``); each record then
 carries ``dp_epsilon`` and the DP settings, and the accountant's state is saved with each round's adapter.
 Each round also records the bytes every client's train message and reply take on the wire (``add_wire_bytes``).
+Under secure aggregation (``secure_aggregation = "secaggplus"``) each round's messages are Flower's SecAgg+ stages,
+sent by its workflow (``fedspear.fl.secagg.SecureRounds``); the record then carries ``secagg`` and no wire bytes.
 """
 
 from __future__ import annotations
@@ -26,11 +28,12 @@ from fedspear.arrays import layout_mismatch
 from fedspear.runtime.memory import peak_rss_mb, release_memory
 from fedspear.runtime.model import model_device
 from fedspear.tasks import load_train_examples
-from fedspear.config import RunConfig, load_config, snake_key
+from fedspear.config import ConfigError, RunConfig, load_config, snake_key
 from fedspear.evaluation import Evaluator
 from fedspear.fl.partition import dirichlet_partitions, partition_summary
 from fedspear.fl.privacy import STATE_FILE, PrivateRounds, reply_norm_bound
 from fedspear.fl.records import ENCODING_KEY, LAYOUT_KEY, from_record, layout_of, to_record, wire_bytes
+from fedspear.fl.secagg import SecureRounds
 from fedspear.fl.strategy import WinWeightedFedAvg
 from fedspear.report import accuracy_text, round_text, write_report
 from fedspear.rundir import EmptyRoundError, RunDir, RunDirError, initial_accuracy
@@ -306,6 +309,7 @@ def run_server(grid: Grid, cfg: RunConfig, on_round: Callable[[dict], None] | No
     )
     # before the model loads: a missing privacy accountant (flwr[dp]) stops the run here, not after round 0
     private = PrivateRounds(strategy, cfg) if cfg.dp != "off" else None
+    secure = SecureRounds(strategy, cfg, grid) if cfg.secure_aggregation != "off" else None  # fedspear.fl.secagg
     records = run.records()
     board = ScalarWriter(run.path, first_round=len(records)) if cfg.tensorboard else None  # before the model, too
 
@@ -347,7 +351,7 @@ def run_server(grid: Grid, cfg: RunConfig, on_round: Callable[[dict], None] | No
             if last:
                 _resume_ledger(private, run, last, records[-1])
             _count_unrecorded_release(private, run, last)
-        strategy.partition_of = discover_partitions(grid, cfg.num_clients)
+        strategy.partition_of = secure.discover_partitions() if secure else discover_partitions(grid, cfg.num_clients)
         payload = json.dumps(cfg.to_dict())
         streak = 0  # consecutive empty rounds before this one (tolerated ones are recorded with empty: true)
         for r in reversed(records):
@@ -363,19 +367,25 @@ def run_server(grid: Grid, cfg: RunConfig, on_round: Callable[[dict], None] | No
             if cfg.update_encoding != "fp32":  # fp32 sends the adapter as ever: the config stays as it was
                 config[ENCODING_KEY] = cfg.update_encoding
             driver = private or strategy  # under DP, Flower's wrapper around the strategy
-            messages = list(driver.configure_train(server_round, to_record(arrays), config, grid))
+            messages = [] if secure else list(driver.configure_train(server_round, to_record(arrays), config, grid))
             to_client = {m.metadata.dst_node_id: wire_bytes(m) for m in messages}
             t_send = time.perf_counter()
             with progress.phase("waiting for clients"):
-                replies = list(grid.send_and_receive(messages, timeout=cfg.round_timeout))
+                if secure is not None:  # SecAgg+: Flower's workflow sends and receives each of its stages itself
+                    replies, secure_arrays, rejected, dropped = secure.round(server_round, arrays, config)
+                else:
+                    replies = list(grid.send_and_receive(messages, timeout=cfg.round_timeout))
             t_recv = time.perf_counter()
-            from_client = {r.metadata.src_node_id: wire_bytes(r) for r in replies}  # before decoding (aggregation)
+            # before decoding (aggregation); SecAgg+'s replies are its own stages' summaries, not counted
+            from_client = {} if secure else {r.metadata.src_node_id: wire_bytes(r) for r in replies}
             silent = {m.metadata.dst_node_id for m in messages} - {r.metadata.src_node_id for r in replies}
             for node in sorted(silent):
                 log.warning("round %d: node %d sent no reply within %g s (timed out or disconnected); dropped",
                             server_round, node, cfg.round_timeout)
             with progress.phase("aggregation"):
-                if private is not None:
+                if secure is not None:
+                    new_arrays = secure_arrays
+                elif private is not None:
                     new_arrays, rejected, dropped = private.aggregate_train(server_round, replies)
                 else:
                     new_record, _ = strategy.aggregate_train(server_round, replies)
@@ -388,10 +398,13 @@ def run_server(grid: Grid, cfg: RunConfig, on_round: Callable[[dict], None] | No
             record = _round_record(server_round, lr, replies, aggregated, rejected, strategy.update_norms)
             if private is not None:
                 record.update(private.ledger.record())
+            if secure is not None:
+                record.update(secure.record())
             record["clients"] += [{"node_id": n, "error": f"no reply within {cfg.round_timeout:g} s"}
                                   for n in sorted(silent)]
             record["clients_failed"] += len(silent)
-            add_wire_bytes(record, to_client, from_client)
+            if secure is None:
+                add_wire_bytes(record, to_client, from_client)
             if record["clients_ok"] == 0:
                 streak += 1
                 reasons = [f"partition {strategy.partition_of.get(c['node_id'], '?')} (node {c['node_id']}): "
@@ -452,6 +465,9 @@ def main(grid: Grid, context: Context) -> None:
     overrides = {snake_key(k): v for k, v in run_config.items()}
     overrides["output_dir"] = overrides.pop("run_dir", None)
     cfg = load_config(config_file, **overrides)
+    if cfg.secure_aggregation != "off":  # the deployed ClientApp is the Message-API one (fedspear.fl.secagg)
+        raise ConfigError("secure_aggregation = \"secaggplus\" runs with `fedspear run` (simulation) only: the "
+                          "ClientApp `flwr run` deploys (pyproject.toml) is not SecAgg+'s legacy ClientApp")
     # Flower streams this process's stdout to `flwr run --stream` / `flwr log`: one line per round, as `fedspear run`
     records = run_server(grid, cfg, on_round=lambda record: print(round_text(record), flush=True))
     last = next((r for r in reversed(records) if r.get("eval")), None)

@@ -60,6 +60,7 @@ START=$(date +%s)
 BUDGET=${BUDGET:-$([ "$MODE" = dry ] && echo 1800 || echo 540)}  # seconds; a CPU is slower
 S=$(mktemp -d "${TMPDIR:-/tmp}/gpu-check.XXXXXX")     # scratch: the random model, caches, run folders
 RES=$S/results; mkdir -p "$RES"
+trap 'rm -rf "$S"' EXIT   # the random model (7 GB on a GPU machine), caches, run folders; results are copied out
 LOG=$RES/gpu-check.log
 export FEDSPEAR_CACHE=$S/cache FEDSPEAR_EXPORTS=$BUNDLE/exports S RES
 exec > >(tee "$LOG") 2>&1
@@ -197,9 +198,10 @@ mkdir -p "$DEST"
 for f in "$RES"/*-bf16*.json "$RES"/*-bf16*.md "$RES"/*-fp32*.json "$RES"/*-fp32*.md; do
   [ -f "$f" ] && cp "$f" "$DEST/"
 done
+echo "results: $DEST/$KIND-gpu-check.{json,md,log}$([ -n "${OUT:-}" ] && echo " (and in \$OUT)"); $(( $(date +%s) - START )) s in all"
+sleep 1  # the log's last lines through tee
 cp "$LOG" "$DEST/$KIND-gpu-check.log"
 if [ -n "${OUT:-}" ]; then  # the run tool brings back what is under $OUT (8 files at most)
   cp "$DEST/$KIND-gpu-check".{json,md,log} "$OUT/" 2>/dev/null
   for f in "$RES"/*-bf16*.json "$RES"/*-bf16*.md "$RES"/round-*.json; do [ -f "$f" ] && cp "$f" "$OUT/"; done
 fi
-echo "results: $DEST/$KIND-gpu-check.{json,md,log}$([ -n "${OUT:-}" ] && echo " (and in \$OUT)"); $(( $(date +%s) - START )) s in all"

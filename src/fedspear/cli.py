@@ -21,6 +21,7 @@ import typer
 from .config import ConfigError, RunConfig, load_config, parse_assignments
 from .stops import Stops, compare_line, run_line, stoppable
 
+
 def _keep_argument_help() -> None:
     """Show positional arguments' help: typer 0.20 stores ``help`` on its argument before calling click's
     constructor, which since click 8.5 (where ``click.Argument`` takes ``help`` itself) sets it back to None. Help

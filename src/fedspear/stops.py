@@ -192,10 +192,10 @@ class Stops:
             return f"stopped by {signal_name(signum)} ({type(err).__name__}: {err})"
 
     def _end_now(self) -> None:
-        """The deadline passed, or a second signal came: kill the tree, print the line, end the process."""
+        """The deadline passed, or a second signal came: kill the tree, print the line, end the process. Takes no
+        lock another thread may hold (an interrupted logging call or write): the line goes straight to fd 2."""
         end_processes(_descendants(), kill_after=0)
-        print(self._say(), file=sys.stderr, flush=True)
-        _exit(128 + (_state["signum"] or signal.SIGTERM))
+        _exit(128 + (_state["signum"] or signal.SIGTERM), self._say(), flush=False)
 
     def __exit__(self, exc_type, exc, tb) -> None:
         for s, handler in self._saved.items():
@@ -209,24 +209,29 @@ class Stops:
         _event.clear()  # later work in this process (tests, a benchmark) starts unstopped
         if not stopped:
             return
+        line = self._say()
         if left:
-            print(f"could not end processes {', '.join(str(p.pid) for p in left)}", file=sys.stderr)
-        print(self._say(), file=sys.stderr, flush=True)
-        _exit(128 + _state["signum"])
+            line = f"could not end processes {', '.join(str(p.pid) for p in left)}\n{line}"
+        _exit(128 + _state["signum"], line)
 
 
-def _exit(code: int) -> None:
-    """End the process now, its output flushed. Everything worth keeping is on disk by then (run records are written
-    atomically and fsynced; Ray is shut down and the children ended): the interpreter's own finalisation is skipped,
-    which after a stopped ``fedspear run`` spent 8 s in native threads (measured on a contended 2-core machine)."""
-    import logging
+def _exit(code: int, line: str, flush: bool = True) -> None:
+    """Write ``line`` to stderr and end the process now (with ``flush``, Python's buffered output first).
 
-    logging.shutdown()
-    for stream in (sys.stdout, sys.stderr):
-        try:
-            stream.flush()
-        except (OSError, ValueError):
-            pass
+    Everything worth keeping is on disk by then (run records are written atomically and fsynced; Ray is shut down
+    and the children ended): the interpreter's own finalisation is skipped, which after a stopped ``fedspear run``
+    spent 8 s in native threads, and whose exit handlers can wait forever on a lock an interrupted call left held
+    (both seen on a contended 2-core machine)."""
+    if flush:
+        for stream in (sys.stdout, sys.stderr):
+            try:
+                stream.flush()
+            except (OSError, ValueError):
+                pass
+    try:
+        os.write(2, (line + "\n").encode("utf-8", "replace"))
+    except OSError:
+        pass
     os._exit(code)
 
 

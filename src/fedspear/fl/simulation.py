@@ -167,19 +167,26 @@ def simulate(cfg: RunConfig, on_round: Callable[[dict], None] | None = None, ver
         flwr_logger.setLevel(logging.ERROR)
     cpus = max(1, min(2, os.cpu_count() or 1))
     gpus = torch.cuda.device_count() if resolve_device(cfg.device) == "cuda" else 0
+    backend = backend_config(cfg, cpus, gpus, verbose)
+    ray_started = False
     try:
-        backend = backend_config(cfg, cpus, gpus, verbose)
-        start_ray(backend)
+        # cooperative from Ray's start on: a signal raises nothing inside ray.init (whose fork hooks would swallow
+        # it), the start completes and the stop is taken right after it
         with stops.cooperative(on_stop=stop_ray_workers):
+            start_ray(backend)
+            ray_started = True
+            stops.check()
             run_simulation(server_app=server_app, client_app=client_app, num_supernodes=cfg.num_clients,
                            backend_config=backend, verbose_logging=verbose)
     finally:  # later work in this process (another run, a benchmark) records no progress into this run's folder
         os.environ.pop(PROGRESS_ENV, None)
         progress.stop()
-        import ray
+        # Flower's engine shuts Ray down; not when it failed or stopped before it began
+        if ray_started:
+            import ray
 
-        if ray.is_initialized():  # Flower's engine shuts Ray down; not when it failed before it began
-            ray.shutdown()
+            if ray.is_initialized():
+                ray.shutdown()
     if "error" in outcome:
         raise outcome["error"]  # type: ignore[misc]
     if "records" not in outcome:

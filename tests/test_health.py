@@ -274,3 +274,36 @@ def test_a_tiny_run_keeps_answers_traces_and_health_and_a_resume_duplicates_noth
     assert again_answers == answers  # round 2 redone with the same seeds: the same answers, once
     assert [(t["round"], t["partition_id"], t["uid"]) for t in again_traces] == [
         (t["round"], t["partition_id"], t["uid"]) for t in traces]
+
+
+def test_health_reaches_tensorboard_tags_and_the_compare_summary():
+    """The record's health figures become ``health/*`` scalars, and compare's summary lists them per cell and round
+    with the cell's warnings first; ``revised_wins`` is a grid axis and every cell keeps its traces."""
+    from pathlib import Path
+
+    from fedspear.experiments.compare.grid import AXES, PRESETS
+    from fedspear.experiments.compare.summary import health_lines
+    from fedspear.tensorboard import scalars
+
+    ev = {**_eval(0, 97, 0.04), "tokens_gen_mean": 6.0, "tokens_gen_median": 5.0, "label_entropy_gen": 0.0,
+          "top_label_share_gen": 0.97, "parsed_gen": 0.97, "cutoff_gen": 0.0}
+    health = {"tokens_initial_mean": 30.0, "reasoning_initial": 0.25, "wins_initial": 3, "wins_revised": 2,
+              "bare_share_revised": 0.5, "revisions_guarded": 1, "tokens_revision_mean": None}
+    tags = scalars({"round": 4, "eval": ev, "health": health})
+    assert tags["health/eval_tokens_gen_mean"] == 6.0 and tags["health/eval_top_label_share_gen"] == 0.97
+    assert tags["health/tokens_initial_mean"] == 30.0 and tags["health/revisions_guarded"] == 1
+    assert "health/tokens_revision_mean" not in tags  # None is left out
+    row = {"cell": "strategy_qa-spear-s0", "health_warnings": ["round 4: answers collapse to one label — …"],
+           "health": [{"round": 4, **ev, "labels": {"no": 97, "yes": 0}, "gold": {"no": 52, "yes": 48}, **health}]}
+    text = "\n".join(health_lines([row]))
+    assert text.startswith("## Learning health")
+    assert "- **WARNING strategy_qa-spear-s0: round 4: answers collapse" in text
+    assert "| strategy_qa-spear-s0 | 4 | 6 / 5 | 4 | no 97 (52), yes 0 (48) | 0.00 | 97 | 97 | 0 | 30 | 25 | – | – " \
+           "| 3 + 2 | 50 | 1 |" in text
+    assert health_lines([{"cell": "x", "health_warnings": [], "health": [{"round": 0}]}]) == []
+    assert "revised_wins" in AXES
+    grid = PRESETS["cpu-qwen1.5b-sqa"].overridden(algorithms="spear", vary=["revised_wins=all,reasoned"])
+    cells = grid.cells(Path("runs/x"))
+    assert [(c.config.revised_wins, c.config.seed) for c in cells] == [
+        ("all", 0), ("all", 1), ("all", 2), ("reasoned", 0), ("reasoned", 1), ("reasoned", 2)]
+    assert all(c.config.keep_traces == "on" for c in cells)

@@ -21,12 +21,15 @@ it. Only SPEAR and Feedback SFT keep traces (their interaction phase is the pape
 groups without revisions).
 
 **Decision (which runs keep traces, ``keep_traces``).** ``auto`` (default) keeps them while a run answers at most
-``AUTO_TRACE_PROMPTS`` = 2000 prompts in all (rounds × clients_per_round × rollouts_per_round): measured with the
-tiny model and scaled to StrategyQA's long answers a prompt's trace is ≈ 1 KB compressed (up to three answers of
-≤ 256 tokens and two feedback texts), so ≈ 2 MB at most — every CPU preset of this project (cpu-qwen1.5b-sqa: 32
-prompts) keeps them, while the paper's settings (≈ 25,000–80,000 prompts per run, 25–80 MB) do not unless asked
-(``on``). ``fedspear compare`` sets ``on`` for its cells: their traces are what shows how a learning curve came
-about. Evaluation answers are always kept (one file per evaluated round, ≈ 60 KB per 500 StrategyQA items).
+``AUTO_TRACE_PROMPTS`` = 2000 prompts in all (rounds × clients_per_round × rollouts_per_round). Sizes, measured by
+writing Qwen2.5-Coder-1.5B's committed StrategyQA answers (``docs/results/parse-rates/generations``, 100 items cut to
+256 tokens: 162 tokens on average) with :func:`write_jsonl_gz`: 229 bytes per answer compressed (1.4 bytes per
+token), so an evaluation of 500 items takes ≈ 115 KB and a prompt's trace at most ≈ 1 KB (three distinct answers
+and two feedback texts of ≈ 150 bytes each compressed), ≈ 0.6 KB on average when half the first answers are right.
+2000 prompts are then ≈ 1–2 MB: every CPU preset of this project (cpu-qwen1.5b-sqa: 32 prompts per cell) keeps them,
+while the paper's settings (≈ 25,000–80,000 prompts per run, ≈ 15–80 MB) do not unless asked (``on``).
+``fedspear compare`` sets ``on`` for its cells: their traces are what shows how a learning curve came about.
+Evaluation answers are always kept (one file per evaluated round).
 
 **Resume.** Each file is written whole (temp file, then rename) before the round's metrics line; a round redone
 after a stop rewrites its files, so a resumed run neither duplicates nor loses records, and a file of a round that

@@ -190,7 +190,7 @@ class RunConfig:
             "write each client-round's answers, revisions, feedback and win/lose as traces/round_NNNN/"
             "client_PPPP.jsonl.gz on the client (simulation: in the run directory; a SuperNode: its node-config "
             "trace-dir): on | off | auto (on while rounds × clients_per_round × rollouts_per_round ≤ 2000 "
-            "prompts, ≈ 2 MB; fedspear.answers); fedspear compare sets on",
+            "prompts, ≤ ≈ 2 MB for StrategyQA; fedspear.answers); fedspear compare sets on",
             choices=["auto", "on", "off"],
         ),
     )

@@ -644,7 +644,7 @@ def eval_(
 ) -> None:
     """Evaluate the base model, a saved adapter or a run's final adapter by fedspear's protocol (greedy-generation and
     log-likelihood accuracy; docs/paper_index.md): the same code as a run's own evaluation. Writes JSON with per-item
-    answers; prints accuracy with its 95% interval."""
+    answers (their texts beside it in <output stem>.answers.jsonl.gz); prints accuracy with its 95% interval."""
     from .evaluation import Evaluator
     from .report import accuracy_text
     from .runtime.model_zoo import ModelError
@@ -684,12 +684,16 @@ def eval_(
               "dtype": evaluator.dtype_used, "task": cfg.task, "split": evaluator.split,
               "limit": limit, "settings": {k: getattr(cfg, k) for k in ("eval_size", "eval_gen_size", "eval_generation",
                                                                  "eval_batch_size", "max_new_tokens", "data_source")},
-              "skipped_records": len(evaluator.skipped), "metrics": metrics, "items": answers}
+              "skipped_records": len(evaluator.skipped), "metrics": metrics,
+              "items": [{k: v for k, v in item.items() if k != "text"} for item in answers]}
     _write_json(output, result)
+    from .answers import write_jsonl_gz  # every item with its answer text (fedspear.answers)
+
+    texts = write_jsonl_gz(output.with_name(output.stem + ".answers.jsonl.gz"), answers)
     what = f"round {round_} of {target}" if round_ is not None and adapter is not None and target != adapter else (
         str(adapter) if adapter is not None else f"base model {cfg.model}")
     print(f"{cfg.task} {evaluator.split}, {what} ({evaluator.dtype_used}): {accuracy_text(metrics)}")
-    print(f"per-item answers: {output}")
+    print(f"per-item answers: {output} (with their texts: {texts})")
 
 
 @app.command()

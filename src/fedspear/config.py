@@ -175,6 +175,25 @@ class RunConfig:
             max=10,
         ),
     )
+    revised_wins: str = field(
+        default="all",
+        metadata=_meta(
+            "which right revisions join the win set: all (the paper) | reasoned (only those that reason before "
+            "their final answer, the task's `reasons` rule; a bare right revision is dropped, y0 still joins the "
+            "lose set: fedspear.interaction)",
+            choices=["all", "reasoned"],
+        ),
+    )
+    keep_traces: str = field(
+        default="auto",
+        metadata=_meta(
+            "write each client-round's answers, revisions, feedback and win/lose as traces/round_NNNN/"
+            "client_PPPP.jsonl.gz on the client (simulation: in the run directory; a SuperNode: its node-config "
+            "trace-dir): on | off | auto (on while rounds × clients_per_round × rollouts_per_round ≤ 2000 "
+            "prompts, ≤ ≈ 2 MB for StrategyQA; fedspear.answers); fedspear compare sets on",
+            choices=["auto", "on", "off"],
+        ),
+    )
     temperature: float = field(
         default=0.8,
         metadata=_meta(

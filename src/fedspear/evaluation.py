@@ -24,6 +24,7 @@ import numpy as np
 import torch
 
 from . import progress
+from .health import eval_health
 from .runtime.generation import generate, shared_prefix_length
 from .interaction import render
 from .runtime.model import autocast, model_device, pad_id
@@ -150,13 +151,16 @@ def evaluate(model, tokenizer, examples: Sequence[Example], task, *, dtype_used:
         Wilson 95% interval (``<name>_low``, ``<name>_high``), plus ``seconds_evaluate`` and, for generation, the
         share of answers that could be parsed (``parsed_gen``), the share cut off by the token budget (no EOS
         within it, ``cutoff_gen``) and the predicted-label distribution
-        (``pred_<label>`` counts) so a shift of the label prior is visible. ``correct_<name>`` holds the outcome
-        per item in evaluation order ("1" right, "0" wrong; a string of length ``n`` or ``n_gen``), so evaluations
-        of the same items can be compared item by item (``fedspear.experiments.compare.stats.paired_gain``).
+        (``pred_<label>`` counts) so a shift of the label prior is visible, with the learning-health figures of
+        ``fedspear.health.eval_health`` (length, reasoning share, gold counts, entropy). ``correct_<name>`` holds
+        the outcome per item in evaluation order ("1" right, "0" wrong; a string of length ``n`` or ``n_gen``), so
+        evaluations of the same items can be compared item by item (``fedspear.experiments.compare.stats.paired_gain``).
 
     ``answers``, when a list is given, receives one dict per item in evaluation order: ``uid``, ``gold`` and, for
     each metric computed on that item, the answer and its verdict (``answer_gen``: the label read from the greedy
-    answer, None when none could be parsed; ``answer_ll``: the top-scoring label; ``correct_gen`` / ``correct_ll``).
+    answer, None when none could be parsed; ``answer_ll``: the top-scoring label; ``correct_gen`` / ``correct_ll``)
+    and, for generated items, ``text`` (special tokens dropped), ``tokens`` (EOS included), ``cutoff`` (no EOS
+    within the budget) and ``reasons`` (the task's rule) — what ``fedspear.answers`` keeps per evaluated round.
     """
     t0 = time.perf_counter()
     out: dict[str, float | str] = {"n": len(examples)}
@@ -175,8 +179,8 @@ def evaluate(model, tokenizer, examples: Sequence[Example], task, *, dtype_used:
                                    dtype_used=dtype_used, do_sample=False, batch_size=batch_size, first_logits=first)
         predictions = [ex.labels[int(logits[label_token_ids(tokenizer, ex.labels)].argmax())]
                        for logits, ex in zip(first or [], examples)]
-        labels_gen = [task.extract_answer(tokenizer.decode(c, skip_special_tokens=True), ex)
-                      for c, ex in zip(completions, examples)]
+        texts = [tokenizer.decode(c, skip_special_tokens=True) for c in completions]
+        labels_gen = [task.extract_answer(t, ex) for t, ex in zip(texts, examples)]
         outcomes = "".join("1" if a == ex.gold else "0" for a, ex in zip(labels_gen, examples))
         correct = outcomes.count("1")
         out["correct_gen"] = outcomes
@@ -184,9 +188,15 @@ def evaluate(model, tokenizer, examples: Sequence[Example], task, *, dtype_used:
         out["acc_gen_low"], out["acc_gen_high"] = wilson_interval(correct, len(examples))
         out["parsed_gen"] = sum(a is not None for a in labels_gen) / len(examples)
         eos = tokenizer.eos_token_id
-        out["cutoff_gen"] = sum(not c or c[-1] != eos for c in completions) / len(examples)
-        for label in sorted({l for ex in examples for l in ex.labels}):
+        cutoff = [not c or c[-1] != eos for c in completions]
+        out["cutoff_gen"] = sum(cutoff) / len(examples)
+        labels = sorted({l for ex in examples for l in ex.labels})
+        for label in labels:
             out[f"pred_{label}"] = sum(a == label for a in labels_gen)
+        rule = getattr(task, "reasons", None)
+        reasoned = [bool(rule(t)) if rule is not None else False for t in texts]
+        out.update(eval_health(labels, labels_gen, [ex.gold for ex in examples], [len(c) for c in completions],
+                               reasoned))
         examples = examples_all
     if loglik and task.MULTIPLE_CHOICE and examples:
         predictions = predictions or []  # from the generation pass, for the items it covered
@@ -204,6 +214,7 @@ def evaluate(model, tokenizer, examples: Sequence[Example], task, *, dtype_used:
             item: dict[str, object] = {"uid": ex.uid, "gold": ex.gold}
             if "correct_gen" in out and i < len(labels_gen):
                 item["answer_gen"], item["correct_gen"] = labels_gen[i], out["correct_gen"][i] == "1"
+                item.update(text=texts[i], tokens=len(completions[i]), cutoff=cutoff[i], reasons=reasoned[i])
             if "correct_ll" in out:
                 item["answer_ll"], item["correct_ll"] = predictions[i], out["correct_ll"][i] == "1"
             answers.append(item)

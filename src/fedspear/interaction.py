@@ -14,10 +14,31 @@ user(f_n); without one, the plain texts joined by blank lines. Where the answer 
 template, at the assistant turn; without one, after a blank line — except after a text that ends in a colon (ARC's
 and HellaSwag's "Answer:"), which the answer continues on the same line (" A"), as log-likelihood scoring
 (``fedspear.evaluation.label_token_ids``) and the authors' " A".." D" protocol assume.
+
+**Decision (guard, ``revised_wins``; issue 41).** On a binary task the feedback names the wrong label ("'no' is not
+the right answer"), so a revision can be right by flipping the label with no reasoning; SPEAR learns a right
+revision from the *original* context c0, so such wins teach the model to answer bare (measured: StrategyQA answers
+that shrank to "Answer: no"). ``revised_wins = "all"`` (default) is the paper's rule: every right revision is a
+win. With ``"reasoned"`` a right revision that does not reason before its final answer (the task's ``reasons``
+rule, e.g. ≥ 10 words before "Answer: …") is **dropped**: it joins neither set, and y0 still joins the lose set
+with α = 1, as for any successful revision (a right answer was reachable, so y0 is confidently wrong). It is not
+put in the lose set: the gated tail unlikelihood (Eq. 6, τ = 24 on StrategyQA) would push down the last tokens of a
+*right* answer — its "Answer: yes" — from c0, teaching the wrong label, not "reason first". It is not revised
+again either: the oracle's feedback may only follow a wrong answer (``check_not_correct``). Initial answers are not
+guarded: y0 is sampled from c0 itself, so a right bare y0 is the model's own on-policy answer, not a label flipped
+by feedback. Counted per client-round: ``revised_wins_bare`` (right revisions that do not reason, under either
+rule) and ``revisions_guarded`` (those dropped); ``revisions_successful`` still counts every right revision, so
+wins = initial_correct + revisions_successful − revisions_guarded.
+
+Learning health (``HEALTH`` counters, issue 41): token counts and reasoning of the initial answers and of every
+revision attempt, summed per client-round, with each client's median lengths (``fedspear.health`` reads them).
+With a ``log`` list, ``interact`` also records every prompt's attempts (text, parsed answer, verdict, tokens, EOS,
+reasoning, the feedback that preceded it) and its outcome: the client's training traces (``fedspear.answers``).
 """
 
 from __future__ import annotations
 
+import statistics
 import time
 from dataclasses import dataclass, field
 from typing import Sequence
@@ -109,6 +130,13 @@ def render(tokenizer, turns: Sequence[str]) -> list[int]:
     return tokenizer(text if text.endswith(":") else text + "\n\n", add_special_tokens=True)["input_ids"]
 
 
+#: learning-health counters of SPEAR's interaction (module docstring); summed over a round's clients except the
+#: ``*_median`` ones (``fedspear.health.round_health``)
+HEALTH = ("initial_tokens", "initial_reasoned", "revision_tokens", "revisions_reasoned", "revised_wins_bare",
+          "revisions_guarded", "initial_tokens_median", "revision_tokens_median")
+REVISED_WINS = ("all", "reasoned")
+
+
 def new_counters(prompts: int) -> dict[str, float]:
     """The counters every algorithm reports (SPEC §6), zeroed; ``initial_samples`` starts at one per prompt
     (GRPO and RLTF-SD overwrite it with their group samples)."""
@@ -130,6 +158,8 @@ def interact(
     dtype_used: str = "fp32",
     seed: int = 0,
     replay: Sequence[Sequence[list[int]]] | None = None,
+    revised_wins: str = "all",
+    log: list | None = None,
 ) -> InteractionResult:
     """Run SPEAR's interaction phase on ``examples`` (paper Alg. 1, lines 3–25).
 
@@ -141,9 +171,20 @@ def interact(
         replay: attempts sampled earlier, ``replay[i][n]`` = token ids of y_n for example i (a person's chat,
             ``fedspear.human.replay``): they are used instead of sampling, and a prompt whose attempts run out is
             treated as never revised correctly. Counted as ``replayed_attempts``, not as generations.
+        revised_wins: "all" (the paper) or "reasoned": a right revision that does not reason (``task.reasons``) is
+            dropped, not won (module docstring, Decision on the guard). A task without ``reasons`` (a chat) counts
+            every answer as reasoned.
+        log: when a list, receives one dict per prompt, in order: ``uid``, ``gold``, ``attempts`` (per attempt:
+            ``text``, ``answer`` (the task's parsed label, None when none), ``correct`` (the feedback source's
+            verdict), ``tokens``, ``eos``, ``reasons``, and for revisions the ``feedback`` that preceded it),
+            ``outcome`` ("win_initial", "win_revised", "guarded" or "lose") and ``alpha`` of y0's lose trace.
     Returns:
-        ``InteractionResult`` with the win set, the lose set (with α) and the counters.
+        ``InteractionResult`` with the win set, the lose set (with α) and the counters (``HEALTH`` included).
+    Raises:
+        ValueError: ``revised_wins`` is not one of ``REVISED_WINS``.
     """
+    if revised_wins not in REVISED_WINS:
+        raise ValueError(f"revised_wins = {revised_wins!r}: choose one of {', '.join(REVISED_WINS)}")
     max_new_tokens = max_new_tokens or task.MAX_NEW_TOKENS
     eos = tokenizer.eos_token_id
     torch.manual_seed(seed)
@@ -168,6 +209,27 @@ def interact(
     def trace(i: int, ids: list[int], alpha: float = 1.0) -> Trace:
         return make_trace(examples[i].uid, c0[i], ids, eos, alpha)
 
+    reasons = getattr(task, "reasons", None)
+    extract = getattr(task, "extract_answer", None)
+    records = [{"uid": ex.uid, "gold": ex.gold, "attempts": [], "outcome": "lose", "alpha": None}
+               for ex in examples]
+
+    def observe(i: int, ids: list[int], correct: bool, feedback: str | None = None) -> bool:
+        """Note attempt ``ids`` of prompt i (health counters, the log); returns whether it reasons."""
+        said = text(ids)
+        reasoned = reasons(said) if reasons is not None else True
+        if log is not None:
+            attempt = {"text": said, "answer": extract(said, examples[i]) if extract is not None else None,
+                       "correct": correct, "tokens": len(ids), "eos": bool(ids) and ids[-1] == eos,
+                       "reasons": reasoned}
+            if feedback is not None:
+                attempt["feedback"] = feedback
+            records[i]["attempts"].append(attempt)
+        return reasoned
+
+    for key in HEALTH:
+        counters[key] = 0
+
     t = time.perf_counter()
     with progress.phase("initial answers"):
         y0 = sample(c0, list(range(len(examples))), 0)
@@ -175,11 +237,17 @@ def interact(
 
     pending: list[int] = []  # indices of prompts still wrong
     for i, ids in enumerate(y0):
-        if feedback_source.is_correct(examples[i], text(ids)):
+        correct = feedback_source.is_correct(examples[i], text(ids))
+        counters["initial_tokens"] += len(ids)
+        counters["initial_reasoned"] += observe(i, ids, correct)
+        if correct:
             result.wins.append(trace(i, ids))
             counters["initial_correct"] += 1
+            records[i]["outcome"] = "win_initial"
         else:
             pending.append(i)
+    counters["initial_tokens_median"] = statistics.median(len(ids) for ids in y0) if y0 else 0
+    revision_lengths: list[int] = []
 
     previous = {i: y0[i] for i in pending}
     exhausted: list[int] = []  # replay only: wrong prompts whose person stopped revising
@@ -190,25 +258,42 @@ def interact(
             pending = [i for i in pending if len(replay[i]) > n]
         if not pending:
             break
-        contexts = []
+        contexts, feedbacks = [], []
         for i in pending:
             f_n = feedback_source.feedback(examples[i], text(previous[i]))
+            feedbacks.append(f_n)
             contexts.append(render(tokenizer, [prompts[i], text(previous[i]), f_n]))
         counters["revisions_attempted"] += len(pending)
         with progress.phase(f"revision {n}"):
             revised = sample(contexts, pending, n)
         still = []
-        for i, y_n in zip(pending, revised):
-            if feedback_source.is_correct(examples[i], text(y_n)):
-                result.wins.append(trace(i, y_n))  # learn y_n from the *original* context c0
-                result.losses.append(trace(i, y0[i], alpha=1.0))
+        for i, y_n, f_n in zip(pending, revised, feedbacks):
+            correct = feedback_source.is_correct(examples[i], text(y_n))
+            reasoned = observe(i, y_n, correct, f_n)
+            counters["revision_tokens"] += len(y_n)
+            counters["revisions_reasoned"] += reasoned
+            revision_lengths.append(len(y_n))
+            if correct:
                 counters["revisions_successful"] += 1
+                counters["revised_wins_bare"] += not reasoned
+                if revised_wins == "reasoned" and not reasoned:  # the guard: dropped, y0 still lost (docstring)
+                    counters["revisions_guarded"] += 1
+                    records[i]["outcome"] = "guarded"
+                else:
+                    result.wins.append(trace(i, y_n))  # learn y_n from the *original* context c0
+                    records[i]["outcome"] = "win_revised"
+                result.losses.append(trace(i, y0[i], alpha=1.0))
+                records[i]["alpha"] = 1.0
             else:
                 previous[i] = y_n
                 still.append(i)
         pending = still
     counters["seconds_generate_revisions"] = time.perf_counter() - t
+    counters["revision_tokens_median"] = statistics.median(revision_lengths) if revision_lengths else 0
     for i in sorted(pending + exhausted):
         result.losses.append(trace(i, y0[i], alpha=0.5))
+        records[i]["alpha"] = 0.5
     result.counters = counters
+    if log is not None:
+        log.extend(records)
     return result

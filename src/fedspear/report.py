@@ -44,6 +44,52 @@ def _label_prior(first: dict | None, last: dict | None) -> str:
             f"{_fmt(((last or {}).get('eval') or {}).get('parsed_gen'), 2)}).")
 
 
+def _health_warning_lines(records: Sequence[dict]) -> list[str]:
+    """The learning-health warnings of the run's rounds (``fedspear.health``), bold, one bullet each; [] when none."""
+    return [f"- **WARNING (learning health): {w}**" for r in records for w in r.get("health_warnings") or []]
+
+
+def _health_section(records: Sequence[dict]) -> list[str]:
+    """The "Learning health" table: per round, the evaluation's answers (length, reasoning, label histogram against
+    gold, entropy, parse and cut-off rates) and the training answers (length and reasoning of initial answers and
+    revisions, win-set composition, bare share of right revisions, guarded revisions); ``fedspear.health``."""
+    from .health import label_counts
+
+    rows = [r for r in records if (r.get("eval") or {}).get("tokens_gen_mean") is not None or r.get("health")]
+    if not rows:
+        return []
+
+    def pct(v):
+        return "–" if v is None else f"{100 * v:.0f}%"
+
+    def num(v):
+        return "–" if v is None else f"{v:.0f}"
+
+    lines = ["## Learning health", "",
+             "Evaluation answers: tokens (mean / median), share that reasons before the final answer, labels "
+             "answered (gold in brackets) with their entropy in bits, parsed and cut-off shares. Training: tokens "
+             "and reasoning share of initial answers and revisions (median: of the clients' medians), wins from "
+             "initial answers + revisions, the share of right revisions that are bare, and revisions the guard "
+             "dropped (`revised_wins`).", "",
+             "| round | eval tokens | eval reasons | eval labels (gold) | entropy | parsed / cut off | initial tokens "
+             "| initial reasons | revision tokens | revision reasons | wins init + rev | bare share of right rev. "
+             "| guarded |", "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        ev, h = r.get("eval") or {}, r.get("health") or {}
+        pred, gold = label_counts(ev), label_counts(ev, "gold_")
+        labels = ", ".join(f"{k} {v}" + (f" ({gold[k]})" if k in gold else "") for k, v in pred.items()) or "–"
+        lines.append(
+            f"| {r['round']} | {num(ev.get('tokens_gen_mean'))} / {num(ev.get('tokens_gen_median'))} | "
+            f"{pct(ev.get('reasoning_gen'))} | {labels} | {_fmt(ev.get('label_entropy_gen'), 2)} | "
+            f"{pct(ev.get('parsed_gen'))} / {pct(ev.get('cutoff_gen'))} | "
+            f"{num(h.get('tokens_initial_mean'))} / {num(h.get('tokens_initial_median'))} | "
+            f"{pct(h.get('reasoning_initial'))} | "
+            f"{num(h.get('tokens_revision_mean'))} / {num(h.get('tokens_revision_median'))} | "
+            f"{pct(h.get('reasoning_revision'))} | {num(h.get('wins_initial'))} + {num(h.get('wins_revised'))} | "
+            f"{pct(h.get('bare_share_revised'))} | {num(h.get('revisions_guarded'))} |")
+    return lines + [""]
+
+
 def plot_run(path: Path, records: Sequence[dict]) -> list[Path]:
     """Write the three plots of a run; returns their paths."""
     import matplotlib
@@ -179,17 +225,19 @@ def accuracy_text(ev: dict) -> str:
 
 def round_text(record: dict) -> str:
     """A round's line as ``fedspear run`` and ``flwr run`` print it (round 0: the held-out accuracy before training;
-    later rounds: wins, losses, revisions, initial accuracy, evaluated accuracies, seconds, ε under DP)."""
+    later rounds: wins, losses, revisions, initial accuracy, evaluated accuracies, seconds, ε under DP), then one
+    ``WARNING (learning health): …`` line per health warning of the round (``fedspear.health``)."""
     from .rundir import initial_accuracy
 
     ev = record.get("eval") or {}
     acc = " ".join(f"{k} {ev[k]:.3f}" for k in ("acc_gen", "acc_ll") if k in ev)
+    warn = "".join(f"\nWARNING (learning health): {w}" for w in record.get("health_warnings") or [])
     if record["round"] == 0:
-        return f"round 0 (before training): {acc}  [{ev.get('n', 0)} held-out items]"
+        return f"round 0 (before training): {acc}  [{ev.get('n', 0)} held-out items]" + warn
     return (f"round {record['round']}: wins {record['wins']} losses {record['losses']} revisions "
             f"{record['revisions_successful']}/{record['revisions_attempted']} initial acc "
             f"{(initial_accuracy(record) or 0):.2f}  {acc}  ({record['seconds']['round']:.0f} s)"
-            + (f"  ε {epsilon_text(record)} (δ {record['dp_delta']:g})" if "dp_releases" in record else ""))
+            + (f"  ε {epsilon_text(record)} (δ {record['dp_delta']:g})" if "dp_releases" in record else "") + warn)
 
 
 def epsilon_text(record: dict) -> str:
@@ -233,6 +281,7 @@ def write_report(path: str | Path, records: Sequence[dict], cfg: RunConfig, dtyp
         f"- peak memory (RSS): server {peak_server:.0f} MiB, client worker {peak_client:.0f} MiB",
         f"- wall-clock: {records[-1].get('wall_clock', 0) / 60:.1f} min over {len(rounds)} rounds"
         if records else "",
+        *_health_warning_lines(records),
         "",
         "## Accuracy (held-out, 95% Wilson interval)",
         "",
@@ -265,6 +314,7 @@ def write_report(path: str | Path, records: Sequence[dict], cfg: RunConfig, dtyp
         )
     lines += ["", "![interaction](plots/interaction.png)", "", "![wall-clock](plots/wall_clock.png)", ""]
     lines += wire_section(cfg, rounds)
+    lines += _health_section(records)
     report = path / "report.md"
     report.write_text("\n".join(lines), encoding="utf-8")
     return report

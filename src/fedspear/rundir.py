@@ -9,6 +9,8 @@ Layout::
                                the server optimiser's moments (server_state.safetensors, FedAdam / FedYogi) and the
                                privacy accountant's state (privacy_accountant.json, dp = client / server)
       partitions.json          the simulated clients' split: rule, α, seed, size and label counts per partition
+      answers/round_NNNN.jsonl.gz  each evaluated round's answers per item; traces/round_NNNN/client_PPPP.jsonl.gz
+                               the simulated clients' training traces (``fedspear.answers``)
       report.md, plots/*.png   written at the end (and on every resume)
 
 A round counts as completed when its metrics line is written; the adapter is written (atomically: temp folder,
@@ -70,7 +72,7 @@ class RunDirError(ValueError):
 
 # keys that may change between invocations without changing the experiment
 RESUME_FREE_KEYS = {"output_dir", "round_timeout", "data_dir", "round0_from", "max_empty_rounds", "tensorboard",
-                    "device"}
+                    "device", "keep_traces"}
 
 # Keys added with a default that differs from what runs did before them: a saved config.toml without the key was
 # made under the old behaviour, so resuming it under the new default must be refused, not silently mixed.

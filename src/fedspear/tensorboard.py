@@ -24,6 +24,7 @@ TAGS = {
     "bytes_to_clients": "wire/bytes_to_clients", "bytes_from_clients": "wire/bytes_from_clients",
 }
 EVAL_KEYS = ("acc_gen", "acc_ll", "parsed_gen", "cutoff_gen")
+HEALTH_EVAL_KEYS = ("tokens_gen_mean", "tokens_gen_median", "reasoning_gen", "label_entropy_gen", "top_label_share_gen")
 INSTALL_HINT = "tensorboard = true needs TensorBoard: pip install 'fedspear[tensorboard]'"
 LOSS_TERMS = ("loss", "kl", "clip_fraction")  # and every "loss_<term>" (loss_win, loss_lose, loss_pg, …)
 
@@ -42,6 +43,10 @@ def scalars(record: dict[str, Any]) -> dict[str, float]:
         out[f"time/{key}_s"] = value
     for key, value in (record.get("peak_rss_mb") or {}).items():
         out[f"memory/peak_rss_{key}_mb"] = value
+    for key in HEALTH_EVAL_KEYS:  # learning health (fedspear.health): evaluation answers, then training answers
+        out[f"health/eval_{key}"] = (record.get("eval") or {}).get(key)
+    for key, value in (record.get("health") or {}).items():
+        out[f"health/{key}"] = value
     return {tag: float(v) for tag, v in out.items()
             if isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)}
 

@@ -18,6 +18,7 @@ from typing import Sequence
 import numpy as np
 
 from . import progress
+from .answers import keeps_traces, write_traces
 from .config import RunConfig
 from .feedback import FeedbackSource, make_feedback
 from .algorithms import ALGORITHMS
@@ -110,6 +111,7 @@ class Worker:
         server_round: int,
         lr: float,
         feedback_source: FeedbackSource | None = None,
+        trace_dir: str | Path | None = None,
     ) -> tuple[dict[str, np.ndarray], dict[str, float]]:
         """Run the configured algorithm (``cfg.algorithm``; SPEAR = paper Alg. 1) on this client for one round.
 
@@ -120,6 +122,9 @@ class Worker:
             lr: learning rate for this round (the server's schedule).
             feedback_source: who judges answers (default: the dataset oracle of SPEC §2, made noisy by
                 ``user_flip_prob`` / ``user_irrelevant_prob``).
+            trace_dir: where this client keeps its training traces when the run keeps them
+                (``fedspear.answers.keeps_traces``; SPEAR and Feedback SFT): ``<trace_dir>/round_NNNN/client_PPPP
+                .jsonl.gz``, written here on the client; None keeps none.
         Returns:
             ``(adapter copy, metrics)``; metrics hold ``weight`` (the aggregation weight: |W| for SPEAR and Feedback
             SFT, the number of prompts for the other baselines), ``num-wins``, ``num-losses`` and the counters of
@@ -135,11 +140,15 @@ class Worker:
         if feedback_source is None:
             feedback_source = make_feedback(self.task, cfg.user_flip_prob, cfg.user_irrelevant_prob,
                                             seed=derived_seed(cfg.seed, "user", partition_id))
+        keep = trace_dir is not None and getattr(algorithm, "KEEPS_TRACES", False) and keeps_traces(cfg)
+        extra = {"log": []} if keep else {}
         progress.start(f"client {partition_id}", server_round)
         try:
-            metrics = algorithm.client_round(self, cfg, examples, lr=lr, seed=seed, feedback=feedback_source)
+            metrics = algorithm.client_round(self, cfg, examples, lr=lr, seed=seed, feedback=feedback_source, **extra)
         finally:
             progress.finish()
+        if keep:  # raw answers stay on the client (fedspear.answers)
+            write_traces(trace_dir, server_round, partition_id, extra["log"])
         metrics.update(getattr(feedback_source, "counts", {}))
         metrics["partition-size"] = len(partition)
         metrics["peak_rss_mb"] = peak_rss_mb()

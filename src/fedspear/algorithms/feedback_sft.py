@@ -15,6 +15,7 @@ from ..training import TrainSettings
 from . import spear
 
 Settings = TrainSettings
+KEEPS_TRACES = True  # client_round accepts log (SPEAR's traces)
 
 
 def settings(cfg) -> TrainSettings:
@@ -23,7 +24,7 @@ def settings(cfg) -> TrainSettings:
 
 
 def client_round(worker, cfg, examples: Sequence[Example], *, lr: float, seed: int,
-                 feedback: FeedbackSource, task=None, replay=None) -> dict[str, float]:
+                 feedback: FeedbackSource, task=None, replay=None, log: list | None = None) -> dict[str, float]:
     """One Feedback-SFT client-round (same traces as SPEAR for the same seed; only the loss differs)."""
     return spear.client_round(worker, cfg, examples, lr=lr, seed=seed, feedback=feedback, train=settings(cfg),
-                              task=task, replay=replay)
+                              task=task, replay=replay, log=log)

@@ -3,6 +3,9 @@ confidence-gated tail unlikelihood on the lose set. Aggregation weight: the win 
 
 Defaults: the paper's appendix table "Hyperparameter Settings (SPEAR)" (λ_w 1.0, λ_l 0.1, μ 0.3, τ per task, N 2),
 carried by :class:`fedspear.config.RunConfig` where the CPU defaults are marked.
+
+``revised_wins = "reasoned"`` (opt-in; default "all" = the paper) keeps right revisions that do not reason out of
+the win set: the decision and its reasons are in :mod:`fedspear.interaction` (Decision on the guard).
 """
 
 from __future__ import annotations
@@ -16,6 +19,8 @@ from ..tasks.base import Example
 from ..training import TrainSettings, local_train
 
 Settings = TrainSettings
+#: ``client_round`` accepts ``log`` (the client's training traces, ``fedspear.answers``)
+KEEPS_TRACES = True
 
 
 def settings(cfg) -> TrainSettings:
@@ -24,11 +29,13 @@ def settings(cfg) -> TrainSettings:
 
 
 def client_round(worker, cfg, examples: Sequence[Example], *, lr: float, seed: int, feedback: FeedbackSource,
-                 train: TrainSettings | None = None, task=None, replay=None) -> dict[str, float]:
+                 train: TrainSettings | None = None, task=None, replay=None, log: list | None = None
+                 ) -> dict[str, float]:
     """One SPEAR client-round: interaction (Alg. 1 lines 3–25), then local training (lines 26–31).
 
     ``task`` (default: the run's task) renders the prompts; ``replay`` passes attempts a person already judged (see
-    :func:`fedspear.interaction.interact`; ``fedspear.human.replay``) instead of sampling new ones.
+    :func:`fedspear.interaction.interact`; ``fedspear.human.replay``) instead of sampling new ones. ``log``, when a
+    list, receives each prompt's attempts and outcome (``interact``'s ``log``).
 
     Returns the interaction counters, the training metrics of :func:`fedspear.training.local_train`, ``num-wins``,
     ``num-losses`` and ``weight`` = |W|.
@@ -37,6 +44,7 @@ def client_round(worker, cfg, examples: Sequence[Example], *, lr: float, seed: i
         worker.model, worker.tokenizer, examples, task or worker.task, feedback,
         max_revisions=cfg.max_revisions, max_new_tokens=cfg.max_new_tokens, temperature=cfg.temperature,
         top_p=cfg.top_p, dtype_used=worker.dtype_used, seed=seed, replay=replay,
+        revised_wins=getattr(cfg, "revised_wins", "all"), log=log,
     )
     stats = local_train(worker.model, worker.tokenizer, result.wins, result.losses, train or settings(cfg),
                         lr=lr, dtype_used=worker.dtype_used, seed=seed)

@@ -17,6 +17,7 @@ the reply::
 Node config keys the ClientApp reads (``NodeSettings``): ``partition-id`` (required), ``data-dir`` (this node's own
 data, laid out like ``shared/data``: the node trains on its whole train split instead of a Dirichlet slice),
 ``trace-db`` (a ``fedspear chat`` trace store: the node trains on people's conversations, ``fedspear.human.replay``),
+``trace-dir`` (where the node keeps its training traces, ``fedspear.answers``; none kept without it),
 ``worker-address`` and ``worker-key`` (both or neither).
 
 The wire between ClientApp and worker: ``multiprocessing.connection`` over TCP on the loopback interface, opened
@@ -47,6 +48,7 @@ from typing import Any, Mapping
 
 import numpy as np
 
+from fedspear.answers import trace_dir
 from fedspear.worker import Worker
 from fedspear.config import RunConfig
 from fedspear.fl.partition import dirichlet_partitions
@@ -66,6 +68,7 @@ class NodeSettings:
     worker_address: str | None = None
     worker_key: str | None = None
     trace_db: str | None = None
+    trace_dir: str | None = None
 
     @classmethod
     def from_node_config(cls, node: Mapping[str, Any], num_clients: int) -> "NodeSettings":
@@ -86,7 +89,8 @@ class NodeSettings:
             raise ValueError("node config sets only one of 'worker-address' and 'worker-key'; set both or neither")
         data_dir, trace_db = node.get("data-dir"), node.get("trace-db")
         return cls(pid, str(data_dir) if data_dir else None, str(address) if address else None,
-                   str(key) if key else None, str(trace_db) if trace_db else None)
+                   str(key) if key else None, str(trace_db) if trace_db else None,
+                   str(node["trace-dir"]) if node.get("trace-dir") else None)
 
 
 def partition_indices(examples: list, cfg: RunConfig, partition_id: int, local_data: bool) -> list[int]:
@@ -130,7 +134,8 @@ class NodeRunner:
                                               server_round, lr)
         else:
             indices = partition_indices(worker.examples, cfg, node.partition_id, local_data=bool(node.data_dir))
-            out, metrics = worker.round(cfg, arrays, indices, node.partition_id, server_round, lr)
+            out, metrics = worker.round(cfg, arrays, indices, node.partition_id, server_round, lr,
+                                        trace_dir=trace_dir(node.trace_dir))
         metrics.update(model_loads=self.loads, worker_pid=os.getpid(), seconds_load_model=seconds)
         return out, metrics
 
@@ -253,7 +258,8 @@ def request(address: str, key_file: str | Path, header: dict, arrays: dict[str, 
 def remote_round(node: NodeSettings, cfg: RunConfig, arrays: dict[str, np.ndarray], server_round: int, lr: float
                  ) -> tuple[dict[str, np.ndarray], dict[str, float]]:
     """``NodeRunner.round`` run by the node's worker process (what the ClientApp calls on a SuperNode)."""
-    local = {"partition_id": node.partition_id, "data_dir": node.data_dir, "trace_db": node.trace_db}
+    local = {"partition_id": node.partition_id, "data_dir": node.data_dir, "trace_db": node.trace_db,
+             "trace_dir": node.trace_dir}
     reply, out = request(node.worker_address, node.worker_key,
                          {"op": "round", "config": cfg.to_dict(), "node": local, "server_round": server_round,
                           "lr": lr}, arrays)

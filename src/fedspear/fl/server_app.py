@@ -24,6 +24,8 @@ from flwr.app import ConfigRecord, Context, Message, MessageType, RecordDict
 from flwr.serverapp import Grid, ServerApp
 
 from fedspear import counters, progress
+from fedspear.answers import copy_eval_answers, write_eval_answers
+from fedspear.health import round_health, warnings_for
 from fedspear.arrays import layout_mismatch
 from fedspear.runtime.memory import peak_rss_mb, release_memory
 from fedspear.runtime.model import model_device
@@ -133,6 +135,7 @@ def _round_record(server_round: int, lr: float, replies, aggregated: bool, rejec
         "initial_accuracy": initial_accuracy(total),  # over first answers, not prompts: GRPO samples groups
         **{key: _mean_of(trained, key) for key in LOSS_TERMS},
         "margin": float(np.mean(margins)) if margins else None,
+        "health": round_health(ok),  # answer lengths, reasoning, win-set composition (fedspear.health)
         "seconds": {
             "generate_initial": sum(c.get("seconds_generate_initial", 0.0) for c in ok),
             "generate_revisions": sum(c.get("seconds_generate_revisions", 0.0) for c in ok),
@@ -331,15 +334,18 @@ def run_server(grid: Grid, cfg: RunConfig, on_round: Callable[[dict], None] | No
             t0 = time.perf_counter()
             progress.start("server", 0)
             device = model_device(evaluator.model).type
-            metrics = reused_round0(cfg, arrays, evaluator.dtype_used, device) or evaluator(arrays)
+            answers: list[dict] = []
+            metrics = reused_round0(cfg, arrays, evaluator.dtype_used, device) or evaluator(arrays, answers)
             progress.finish()
             wall = time.perf_counter() - t0
             run.save_adapter(0, arrays, evaluator.peft_config())
+            write_eval_answers(run.path, 0, answers) or copy_eval_answers(metrics.get("reused_from"), run.path, 0)
             record = {"round": 0, "eval": metrics, "seconds": {"evaluate": metrics["seconds_evaluate"]},
                       "start_identity": _is_identity(arrays), "wall_clock": wall, "dtype": evaluator.dtype_used,
                       "device": device,
                       "skipped_eval_records": len(evaluator.skipped),
-                      "peak_rss_mb": {"server": peak_rss_mb()}, "rss_after_round_mb": {"server": release_memory()}}
+                      "peak_rss_mb": {"server": peak_rss_mb()}, "rss_after_round_mb": {"server": release_memory()},
+                      "health_warnings": warnings_for(metrics, 0, metrics)}
             run.append(record)
             records.append(record)
             emit(record)
@@ -428,8 +434,11 @@ def run_server(grid: Grid, cfg: RunConfig, on_round: Callable[[dict], None] | No
             record["seconds"]["clients_total"] = client_seconds
             record["seconds"]["flower_overhead"] = max(0.0, (t_recv - t_send) - client_seconds)
             if server_round % cfg.eval_every == 0 or server_round == cfg.rounds:
-                record["eval"] = evaluator(arrays)
+                answers = []
+                record["eval"] = evaluator(arrays, answers)
                 record["seconds"]["evaluate"] = record["eval"]["seconds_evaluate"]
+                write_eval_answers(run.path, server_round, answers)  # before the record: a redone round rewrites it
+                record["health_warnings"] = warnings_for(record["eval"], server_round, records[0].get("eval"))
             else:
                 record["eval"] = None
                 record["seconds"]["evaluate"] = 0.0

@@ -19,6 +19,7 @@ from typing import Callable
 from fedspear.config import RunConfig
 from fedspear import progress, stops
 from fedspear.progress import ENV as PROGRESS_ENV
+from fedspear.answers import TRACE_ENV
 
 
 def flower_environment(run_dir: str | Path) -> None:
@@ -31,6 +32,8 @@ def flower_environment(run_dir: str | Path) -> None:
     os.environ["FLWR_DISABLE_RUNTIME_DEPENDENCY_INSTALLATION"] = "1"
     # the simulated clients (Ray actor) and the ServerApp say where they are in each round (``fedspear.progress``)
     os.environ[PROGRESS_ENV] = str(Path(run_dir).resolve() / "progress")
+    # ... and the simulated clients keep their training traces in it (``fedspear.answers``)
+    os.environ[TRACE_ENV] = str(Path(run_dir).resolve() / "traces")
     os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
     # Ray picks the machine's outward address for its workers unless told it is not a cluster node; with this
     # (read when ray is imported) every Ray process binds and talks to 127.0.0.1 only.

@@ -24,6 +24,7 @@ from pathlib import Path
 
 from fedspear.tasks.base import DataError, Example, require
 from fedspear.tasks.common import (
+    reasons_before_answer,
     LETTERS,
     extract_letter,
     format_options,
@@ -130,6 +131,13 @@ def extract_answer(completion: str, example: Example) -> str | None:
 def is_correct(example: Example, completion: str) -> bool:
     """True when the extracted letter is the gold letter."""
     return extract_answer(completion, example) == example.gold
+
+
+def reasons(completion: str) -> bool:
+    """Whether ``completion`` reasons before its final answer (``common.reasons_before_answer``: ≥ 10 words before
+    it). The prompt asks for one letter within 16 tokens, so a share near 0 is expected and healthy here; it is
+    reported for every task alike (``fedspear.health``)."""
+    return reasons_before_answer(completion)
 
 
 def feedback(example: Example, completion: str) -> str:

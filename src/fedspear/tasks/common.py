@@ -162,6 +162,45 @@ def explicit_answer(completion: str, rest_re: re.Pattern[str]) -> tuple[str, str
     return (match["label"], match["tail"].strip(), True) if match else None
 
 
+#: Words (``\w+`` runs: words and numbers) an answer must hold before its final answer to count as reasoned: about
+#: one sentence. A bare "Answer: no" has 0, "Rome had no octagon cage. Answer: no" 5, a step-by-step answer of the
+#: base Qwen2.5-Coder-1.5B on StrategyQA 60–150.
+MIN_REASONING_WORDS = 10
+WORD_RE = re.compile(r"\w+")
+
+
+def words_before_answer(completion: str) -> int:
+    """How many words (``WORD_RE``) a completion writes before its final answer.
+
+    The final answer starts at the last answer keyword (``FINAL_KEYWORD_RE``: "Answer:", "So the answer is",
+    "\\boxed{"), else at the final line (``final_line``) when that line is short (≤ 3 words: a lone "No." or "B"),
+    else nowhere: a completion without a final answer counts every word (it reasoned, or rambled, without
+    concluding; whether an answer was read is the parse rate's business).
+
+    >>> words_before_answer("Answer: no")
+    0
+    >>> words_before_answer("Aristotle died in 322 BC. Laptops came in the 1980s.\\nSo the answer is no.")
+    10
+    """
+    keywords = list(FINAL_KEYWORD_RE.finditer(completion))
+    if keywords:
+        return len(WORD_RE.findall(completion[: keywords[-1].start()]))
+    last = final_line(completion)
+    if last and len(WORD_RE.findall(last)) <= 3:
+        return len(WORD_RE.findall(completion[: completion.rfind(last)]))
+    return len(WORD_RE.findall(completion))
+
+
+def reasons_before_answer(completion: str, min_words: int = MIN_REASONING_WORDS) -> bool:
+    """Whether a completion reasons before its final answer: at least ``min_words`` words before it
+    (``words_before_answer``). The rule the task modules' ``reasons`` share.
+
+    >>> reasons_before_answer("Answer: yes")
+    False
+    """
+    return words_before_answer(completion) >= min_words
+
+
 def explicit_letter(completion: str, labels: Sequence[str], options: Sequence[str] = (),
                     option_key: Callable[[str], str] | None = None) -> str | None:
     """The option letter of an explicit final answer (``explicit_answer``), or None.

@@ -76,6 +76,7 @@ from typing import Any, Iterable
 
 from fedspear.tasks.base import DataError, Example, collect, read_jsonl, require
 from fedspear.tasks.common import (
+    reasons_before_answer,
     LETTERS,
     check_not_correct,
     check_split,
@@ -340,6 +341,12 @@ def extract_answer(completion: str, example: Example) -> str | None:
 def is_correct(example: Example, completion: str) -> bool:
     """True when the extracted letter is the gold letter (an unparsed answer is wrong)."""
     return extract_answer(completion, example) == example.gold
+
+
+def reasons(completion: str) -> bool:
+    """Whether ``completion`` reasons before its final answer: ≥ 10 words (numbers count) before the last answer
+    statement or the lone letter on the final line (``common.reasons_before_answer``)."""
+    return reasons_before_answer(completion)
 
 
 def loose_pattern(answer: str) -> re.Pattern[str]:

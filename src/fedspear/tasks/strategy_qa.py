@@ -53,6 +53,7 @@ from pathlib import Path
 
 from fedspear.tasks.base import DataError, Example, require
 from fedspear.tasks.common import (
+    reasons_before_answer,
     STANDALONE_YES_NO_RE,
     check_not_correct,
     explicit_yes_no,
@@ -153,6 +154,19 @@ def extract_answer(completion: str, example: Example) -> str | None:
 def is_correct(example: Example, completion: str) -> bool:
     """True when the extracted yes/no is the gold one (an unparsed answer is wrong)."""
     return extract_answer(completion, example) == example.gold
+
+
+def reasons(completion: str) -> bool:
+    """Whether ``completion`` reasons before its final answer: ≥ 10 words before the last answer statement or the
+    lone yes/no final line (``common.reasons_before_answer``). The prompt asks for step-by-step reasoning, so a
+    bare "Answer: no" is what the guard ``revised_wins = "reasoned"`` keeps out of the win set.
+
+    >>> reasons("Answer: no")
+    False
+    >>> reasons("Aristotle died in 322 BC, and the first laptops were sold in the 1980s.\\nAnswer: no")
+    True
+    """
+    return reasons_before_answer(completion)
 
 
 def hint_facts(facts: tuple[str, ...]) -> list[str]:

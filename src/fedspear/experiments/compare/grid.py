@@ -17,7 +17,8 @@ Outputs in ``<output>``: ``grid.toml`` (the grid; a re-run with another grid is 
 seeds or algorithms to it: the finished cells stay and the new ones run), ``cells/``,
 ``comparison.md`` and ``plots/`` (accuracy vs round, cumulative wall-clock per algorithm as in the paper's Fig. 2,
 successful revisions and samples needing revision per round as in Figs. 3–5), ``comparison.json`` (every figure
-in the table).
+in the table). Every cell keeps its answers: the evaluation's per item (``answers/``) and, unless the grid's base
+sets ``keep_traces``, its clients' training traces (``traces/``; ``fedspear.answers``).
 """
 
 from __future__ import annotations
@@ -46,7 +47,7 @@ PARTITIONER_DEFAULT = RunConfig.__dataclass_fields__["partitioner"].default
 # shorthand for one client holding all the data
 AXES = ("mu", "tau", "lambda_l", "max_revisions", "strategy", "num_clients", "dirichlet_alpha", "last_layers",
         "centralized", "user_flip_prob", "user_irrelevant_prob", "dp", "dp_noise_multiplier", "dp_clip_norm",
-        "update_encoding")
+        "update_encoding", "revised_wins")
 
 NAMES = {"spear": "SPEAR", "feedback_sft": "Feedback SFT", "grpo": "GRPO", "opsd": "OPSD", "rltf_sd": "RLTF-SD",
          "opsd_authors": "OPSD (authors)"}
@@ -187,7 +188,7 @@ class Cell:
 
     @property
     def config(self) -> RunConfig:
-        values = dict(self.base)
+        values = {"keep_traces": "on", **self.base}  # a cell keeps its clients' traces unless the grid says not
         axes = dict(self.axes)
         if axes.pop("centralized", False):
             values.update(num_clients=1, clients_per_round=1)

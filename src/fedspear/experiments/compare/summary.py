@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from ...report import epsilon_text
+from ...health import label_counts
 from ...rundir import RunDir, initial_accuracy, initial_samples, training_seconds
 from .grid import NAMES, Cell, Grid
 from .plots import plot_comparison
@@ -52,7 +53,57 @@ def cell_summary(cell: Cell) -> dict[str, Any] | None:
                           for k in ("generate_initial", "generate_revisions", "train", "aggregate",
                                     "flower_overhead")},
         "privacy": privacy,
+        "health": [{"round": r["round"], **{k: (r.get("eval") or {}).get(k) for k in HEALTH_EVAL},
+                    "labels": label_counts(r.get("eval") or {}), "gold": label_counts(r.get("eval") or {}, "gold_"),
+                    **(r.get("health") or {})} for r in records if r.get("eval") or r.get("health")],
+        "health_warnings": [w for r in records for w in r.get("health_warnings") or []],
     }
+
+
+HEALTH_EVAL = ("tokens_gen_mean", "tokens_gen_median", "reasoning_gen", "label_entropy_gen", "top_label_share_gen",
+               "parsed_gen", "cutoff_gen")
+
+
+def health_lines(rows: list[dict[str, Any]]) -> list[str]:
+    """The "Learning health" section: each cell's health warnings, then per cell and round the evaluation's answer
+    length, reasoning share, label entropy and largest-label share, and the training answers' length and reasoning
+    share, win-set composition and bare share of right revisions (``fedspear.health``); [] when no cell has them."""
+    cells = [r for r in rows if any(h.get("tokens_gen_mean") is not None or "tokens_initial_mean" in h
+                                    for h in r["health"])]
+    if not cells:
+        return []
+
+    def pct(v):
+        return "–" if v is None else f"{100 * v:.0f}"
+
+    def num(v):
+        return "–" if v is None else f"{v:.0f}"
+
+    lines = ["## Learning health", ""]
+    warned = [(r["cell"], w) for r in cells for w in r["health_warnings"]]
+    lines += [f"- **WARNING {cell}: {w}**" for cell, w in warned] + ([""] if warned else [])
+    lines += ["Per cell and round: evaluation answers' tokens (mean / median), % that reason before the final "
+              "answer, answers per label (gold in brackets), label entropy (bits) and % carrying the most frequent "
+              "label; training: initial answers' and revisions' tokens (mean) and % reasoning, wins from initial "
+              "answers + revisions, % of right revisions that are bare, revisions dropped by the guard "
+              "(`revised_wins = \"reasoned\"`).", "",
+              "| Cell | round | eval tokens | eval reasons % | labels (gold) | entropy | top label % | parsed % "
+              "| cut off % | initial tokens | initial reasons % | revision tokens | revision reasons % "
+              "| wins init + rev | bare % of right rev. | guarded |", "|" + "---|" * 16]
+    for r in cells:
+        for h in r["health"]:
+            ent = h.get("label_entropy_gen")
+            labels = ", ".join(f"{k} {v}" + (f" ({h['gold'][k]})" if k in h["gold"] else "")
+                               for k, v in h["labels"].items()) or "–"
+            lines.append(
+                f"| {r['cell']} | {h['round']} | {num(h.get('tokens_gen_mean'))} / {num(h.get('tokens_gen_median'))} "
+                f"| {pct(h.get('reasoning_gen'))} | {labels} | {'–' if ent is None else f'{ent:.2f}'} | "
+                f"{pct(h.get('top_label_share_gen'))} | {pct(h.get('parsed_gen'))} | {pct(h.get('cutoff_gen'))} | "
+                f"{num(h.get('tokens_initial_mean'))} | {pct(h.get('reasoning_initial'))} | "
+                f"{num(h.get('tokens_revision_mean'))} | {pct(h.get('reasoning_revision'))} | "
+                + ("–" if "wins_initial" not in h else f"{num(h['wins_initial'])} + {num(h['wins_revised'])}")
+                + f" | {pct(h.get('bare_share_revised'))} | {num(h.get('revisions_guarded'))} |")
+    return lines + [""]
 
 
 def _fmt_pct(m: float | None, s: float | None = None) -> str:
@@ -128,6 +179,7 @@ def summarise(grid: Grid, output: Path, command: str = "", started: str = "") ->
             ["Cell", "parsed", "cut off"],
             [[r["cell"], *(" → ".join("–" if v is None else f"{100 * v:.1f}" for v in r["answers"][k])
                            for k in ("parsed_gen", "cutoff_gen"))] for r in answer_rows])
+    lines += health_lines(rows)
     private_rows = [r for r in rows if r["privacy"]]
     if private_rows:
         lines += _md_table(

@@ -216,7 +216,7 @@ def test_a_grid_toml_written_before_the_partitioner_key_matches_its_preset(tmp_p
     grid = PRESETS["cpu-qwen1.5b"]
     assert grid.base["partitioner"] == "dirichlet"
     calls = []
-    monkeypatch.setattr(compare_module.subprocess, "call", lambda *a, **k: calls.append(a) or 1)
+    monkeypatch.setattr(compare_module.stops, "call", lambda *a, **k: calls.append(a) or 1)
     with pytest.raises(RuntimeError, match="failed"):
         compare_module.run_grid(grid, out)  # the grid check passed: it went on to (fail to) run the first cell
     assert len(calls) == 1
@@ -253,7 +253,7 @@ def test_a_finished_grid_gains_a_seed_without_rerunning_its_cells(tmp_path, monk
     out = tmp_path / "grid"
     shutil.copytree(committed, out, ignore=shutil.ignore_patterns("plots", "*.md", "*.json"))
     calls = []
-    monkeypatch.setattr(compare_module.subprocess, "call", lambda *a, **k: calls.append(a[0]) or 1)
+    monkeypatch.setattr(compare_module.stops, "call", lambda *a, **k: calls.append(a[0]) or 1)
     monkeypatch.setattr(compare_module, "resolve_dtype", lambda *a: precision)  # this machine's `auto`, pinned
     grid = Grid(**{**PRESETS["cpu-qwen1.5b"].to_dict(), "seeds": [0, 1, 2, 3]})
     events = []

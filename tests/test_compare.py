@@ -170,6 +170,14 @@ def test_compare_two_cells_end_to_end_and_resume(tmp_path):
     other = subprocess.run(cmd + ["--seeds", "5"], capture_output=True, text=True, timeout=600)
     assert other.returncode == 2 and "holds another grid" in other.stderr
 
+    # a cell's damaged record before its last line ends --summary-only with the file and line, not a traceback
+    metrics = out / "cells" / "arc_challenge-grpo-s0" / "metrics.jsonl"
+    lines = metrics.read_text().splitlines(keepends=True)
+    metrics.write_text("{damaged\n" + "".join(lines[1:]))
+    damaged = subprocess.run(cmd + ["--summary-only"], capture_output=True, text=True, timeout=300)
+    assert damaged.returncode == 2 and "Traceback" not in damaged.stderr, damaged.stderr[-3000:]
+    assert f"{metrics}, line 1" in " ".join(damaged.stderr.split())
+
 
 def test_paper_grid_gives_each_cell_its_tables_values(tmp_path):
     """``compare --preset paper``: 4 tasks × 5 algorithms × 3 seeds, each cell with its own table's values."""

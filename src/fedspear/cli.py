@@ -467,7 +467,10 @@ def compare(
             _fail(str(err))
         except RuntimeError as err:
             typer.secho(f"error: {err}", fg="red", err=True)
-            summarise(grid, output, command)
+            try:
+                summarise(grid, output, command)
+            except RunDirError as damaged:
+                _fail(str(damaged))
             raise typer.Exit(code=1)
     started = started_file.read_text().strip() if started_file.exists() else ""
     if summary_only and (output / "command.txt").exists():  # name the command that ran the cells
@@ -477,7 +480,10 @@ def compare(
         ends = [m.stat().st_mtime for m in (output / "cells").glob("*/metrics.jsonl")]
         finished = datetime.datetime.fromtimestamp(max(ends)) if ends else None
     finished = finished.strftime("%Y-%m-%d %H:%M") if finished else "not run"
-    path = summarise(grid, output, command, started=f"{started} → {finished}" if started else finished)
+    try:
+        path = summarise(grid, output, command, started=f"{started} → {finished}" if started else finished)
+    except RunDirError as err:  # a cell's damaged metrics.jsonl: file, line and how to recover
+        _fail(str(err))
     print(f"comparison: {path}")
 
 

@@ -201,7 +201,9 @@ class Stops:
         for s, handler in self._saved.items():
             signal.signal(s, handler)
         _state["active"] = None
-        stopped = isinstance(exc, Stopped) or (exc is None and _event.is_set())
+        # after a stop, any way out of the block is the stop: the work may end in its own error once its processes
+        # are gone (Flower's engine: "Simulation Runtime crashed")
+        stopped = isinstance(exc, Stopped) or _event.is_set()
         # after a stop every descendant goes; otherwise only those recorded (Ray's), not a caller's other children
         left = end_processes(_descendants() if stopped else remembered())
         if self._timer is not None:

@@ -202,7 +202,7 @@ def masked_input(cfg: RunConfig, global_arrays: dict[str, np.ndarray], arrays: d
     weight, cap = int(weight), max_weight(cfg)
     if weight > cap:
         raise ValueError(f"SecAgg+: weight {weight} exceeds secagg_max_weight = {cap:g}; raise secagg_max_weight")
-    delta = flat(arrays) - flat(global_arrays)  # [P]
+    delta = flat({name: arrays[name] for name in global_arrays}) - flat(global_arrays)  # [P], by name
     q = cfg.secagg_quantization_range
     scaled = np.abs(delta).max(initial=0.0) * round(weight / cap * q) / q  # the largest |(q_k/Q)·Δ_k|, as Flower scales
     if scaled > cfg.secagg_clipping_range:

@@ -74,9 +74,9 @@ def reused_round0(cfg: RunConfig, arrays: dict[str, np.ndarray], dtype_used: str
     if not cfg.round0_from or not _is_identity(arrays):
         return None
     other = RunDir(cfg.round0_from)
-    if not other.serves_round0(dtype_used, device):  # config.toml, precision, device, a known identity start
-        return None
     try:
+        if not other.serves_round0(dtype_used, device):  # config.toml, precision, device, a known identity start
+            return None
         other_cfg = load_config(other.config_path).resolved()
         if other.adapter_dir(0).exists() and not _is_identity(other.load_adapter(0)):  # the adapter on disk decides
             return None

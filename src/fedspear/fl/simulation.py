@@ -13,6 +13,7 @@ from __future__ import annotations
 import logging
 import os
 import shutil
+import sys
 from pathlib import Path
 from typing import Callable
 
@@ -54,9 +55,11 @@ def start_ray(backend_config: dict) -> None:
     from flwr.server.superlink.fleet.vce.backend.raybackend import RayBackend
 
     before = stops.children()
-    RayBackend(copy.deepcopy(backend_config))
-    stops.reinstall()
-    stops.remember_children(besides=before)
+    try:
+        RayBackend(copy.deepcopy(backend_config))
+    finally:  # also when its start was cut short: whatever Ray started is ended with the command
+        stops.reinstall()
+        stops.remember_children(besides=before)
 
 
 def stop_ray_workers() -> None:
@@ -171,25 +174,23 @@ def simulate(cfg: RunConfig, on_round: Callable[[dict], None] | None = None, ver
     cpus = max(1, min(2, os.cpu_count() or 1))
     gpus = torch.cuda.device_count() if resolve_device(cfg.device) == "cuda" else 0
     backend = backend_config(cfg, cpus, gpus, verbose)
-    ray_started = False
     try:
         # cooperative from Ray's start on: a signal raises nothing inside ray.init (whose fork hooks would swallow
         # it), the start completes and the stop is taken right after it
         with stops.cooperative(on_stop=stop_ray_workers):
             start_ray(backend)
-            ray_started = True
             stops.check()
             run_simulation(server_app=server_app, client_app=client_app, num_supernodes=cfg.num_clients,
                            backend_config=backend, verbose_logging=verbose)
     finally:  # later work in this process (another run, a benchmark) records no progress into this run's folder
         os.environ.pop(PROGRESS_ENV, None)
+        os.environ.pop(TRACE_ENV, None)
         progress.stop()
-        # Flower's engine shuts Ray down; not when it failed or stopped before it began
-        if ray_started:
-            import ray
-
-            if ray.is_initialized():
-                ray.shutdown()
+        # Flower's engine shuts Ray down, but not when the run failed or stopped before the engine began (Ray's
+        # start cut short after ray.init included); Ray is not imported just to ask
+        ray = sys.modules.get("ray")
+        if ray is not None and ray.is_initialized():
+            ray.shutdown()
     if "error" in outcome:
         raise outcome["error"]  # type: ignore[misc]
     if "records" not in outcome:

@@ -53,11 +53,13 @@ ARGS = ["--rounds", "3", "--clients", "2", "--clients-per-round", "1", "--rollou
         "--set", "train_size=40", "--set", "max_new_tokens=8", "--set", "lr=0.001", "--set", "strategy=fedadam"]
 VOLATILE = {"seconds", "wall_clock", "peak_rss_mb", "rss_after_round_mb", "node_id", "seconds_generate_initial",
             "seconds_generate_revisions", "seconds_train", "seconds_evaluate",
-            "worker_pid", "model_loads", "seconds_load_model"}  # which process ran a client, and its history
+            "worker_pid", "model_loads", "seconds_load_model",  # which process ran a client, and its history
+            # a message's size on the wire holds its node and run ids, whose encoded length differs between runs
+            "bytes_to_client", "bytes_from_client", "bytes_to_clients", "bytes_from_clients"}
 
 
 def _stable(value):
-    """A record without wall-clock, memory and node-id fields (they differ between any two runs)."""
+    """A record without wall-clock, memory, node-id and wire-byte fields (they differ between any two runs)."""
     if isinstance(value, dict):
         return {k: _stable(v) for k, v in value.items() if k not in VOLATILE}
     if isinstance(value, list):

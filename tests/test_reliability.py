@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 from safetensors.numpy import load_file
 
-from helpers import kill_run_after_round
+from helpers import kill_run_after_round, stable
 
 pytestmark = pytest.mark.slow
 
@@ -51,22 +51,6 @@ def test_faulty_clients_are_excluded_with_reasons_and_the_round_completes(tmp_pa
 ARGS = ["--rounds", "3", "--clients", "2", "--clients-per-round", "1", "--rollouts-per-round", "4", "--eval-size", "4",
         "--dtype", "fp32", "--set", "local_steps=2", "--set", "batch_size=2", "--set", "eval_every=3",
         "--set", "train_size=40", "--set", "max_new_tokens=8", "--set", "lr=0.001", "--set", "strategy=fedadam"]
-VOLATILE = {"seconds", "wall_clock", "peak_rss_mb", "rss_after_round_mb", "node_id", "seconds_generate_initial",
-            "seconds_generate_revisions", "seconds_train", "seconds_evaluate",
-            "worker_pid", "model_loads", "seconds_load_model",  # which process ran a client, and its history
-            # a message's size on the wire holds its node and run ids, whose encoded length differs between runs
-            "bytes_to_client", "bytes_from_client", "bytes_to_clients", "bytes_from_clients"}
-
-
-def _stable(value):
-    """A record without wall-clock, memory, node-id and wire-byte fields (they differ between any two runs)."""
-    if isinstance(value, dict):
-        return {k: _stable(v) for k, v in value.items() if k not in VOLATILE}
-    if isinstance(value, list):
-        return [_stable(v) for v in value]
-    return value
-
-
 def test_sigkill_mid_round_then_resume_equals_an_uninterrupted_run(tmp_path):
     """FedAdam, fp32: kill -9 the whole run (CLI and Ray) inside round 2, resume, and compare with a run that was
     never interrupted: the same final adapter (max |Δθ| ≤ 1e-6), the same server-optimiser moments, the same metrics
@@ -87,7 +71,7 @@ def test_sigkill_mid_round_then_resume_equals_an_uninterrupted_run(tmp_path):
     print(f"resume equality: max |Δθ| = {diff:.3g}")
     assert diff <= 1e-6
     assert not all(np.array_equal(a[k], _adapter(whole, 0)[k]) for k in a)  # training did move the adapter
-    assert _stable(_records(whole)) == _stable(_records(killed))
+    assert stable(_records(whole)) == stable(_records(killed))
     # FedAdam's moments were restored from the round-1 checkpoint, not restarted: 3 server steps in both runs
     states = [load_file(str(out / "adapters" / "round_0003" / "server_state.safetensors")) for out in (whole, killed)]
     assert states[0]["step"].tolist() == states[1]["step"].tolist() == [

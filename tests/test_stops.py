@@ -21,6 +21,8 @@ import psutil
 import pytest
 from safetensors.numpy import load_file
 
+from helpers import stable
+
 FEDSPEAR = str(Path(sys.executable).with_name("fedspear"))
 
 
@@ -170,23 +172,8 @@ ARGS = ["--model", "tiny-random", "--rounds", "3", "--clients", "2", "--clients-
         "--rollouts-per-round", "4", "--eval-size", "4", "--dtype", "fp32", "--set", "local_steps=2",
         "--set", "batch_size=2", "--set", "eval_every=3", "--set", "train_size=40", "--set", "max_new_tokens=8",
         "--set", "lr=0.001", "--set", "strategy=fedadam"]
-VOLATILE = {"seconds", "wall_clock", "peak_rss_mb", "rss_after_round_mb", "node_id", "seconds_generate_initial",
-            "seconds_generate_revisions", "seconds_train", "seconds_evaluate", "worker_pid", "model_loads",
-            "seconds_load_model",
-            # a message's size on the wire holds its node and run ids, whose encoded length differs between runs
-            "bytes_to_client", "bytes_from_client", "bytes_to_clients", "bytes_from_clients"}
-
-
 def _records(out: Path) -> list[dict]:
     return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines() if line.strip()]
-
-
-def _stable(value):
-    if isinstance(value, dict):
-        return {k: _stable(v) for k, v in value.items() if k not in VOLATILE}
-    if isinstance(value, list):
-        return [_stable(v) for v in value]
-    return value
 
 
 def _has_round(out: Path, server_round: int):
@@ -233,7 +220,7 @@ def test_ctrl_c_stops_the_run_and_the_resumed_run_equals_an_uninterrupted_one(tm
     assert max(float(np.max(np.abs(a[k] - b[k]))) for k in a) <= 1e-6
     moments = [load_file(str(out / "adapters" / "round_0003" / "server_state.safetensors")) for out in (whole, stopped)]
     assert all(np.array_equal(moments[0][k], moments[1][k]) for k in moments[0])
-    assert _stable(_records(whole)) == _stable(_records(stopped))
+    assert stable(_records(whole)) == stable(_records(stopped))
 
 
 @pytest.mark.slow

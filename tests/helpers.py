@@ -58,9 +58,10 @@ class Alternate:
 #: record fields that differ between any two runs of the same settings: wall-clock, memory, which process ran a client
 #: (and its history), node ids, and a message's size on the wire (it holds its node and run ids, whose encoded length
 #: differs between runs)
-VOLATILE = {"seconds", "wall_clock", "peak_rss_mb", "rss_after_round_mb", "node_id", "seconds_generate_initial",
-            "seconds_generate_revisions", "seconds_train", "seconds_evaluate", "worker_pid", "model_loads",
-            "seconds_load_model", "bytes_to_client", "bytes_from_client", "bytes_to_clients", "bytes_from_clients"}
+VOLATILE = {"seconds", "wall_clock", "peak_rss_mb", "peak_tree_mb", "rss_after_round_mb", "node_id",
+            "seconds_generate_initial", "seconds_generate_revisions", "seconds_train", "seconds_evaluate",
+            "worker_pid", "model_loads", "seconds_load_model", "bytes_to_client", "bytes_from_client",
+            "bytes_to_clients", "bytes_from_clients"}
 
 
 def stable(value):

@@ -206,6 +206,47 @@ def test_reset_peak_makes_a_later_peak_its_own():
     assert peak_rss_mb() < high - 300 and peak_rss_mb() <= now + 50
 
 
+@pytest.mark.skipif(not Path("/proc/self/smaps_rollup").exists(), reason="needs Linux's /proc/<pid>/smaps_rollup")
+def test_tree_peak_sums_children_and_counts_a_shared_mapping_once(tmp_path):
+    """TreePeak sums the whole process tree: a child holding 300 MiB of its own raises the RSS and PSS sums by about
+    that much; a 300 MiB file both processes map and read is counted twice in the RSS sum and once in the PSS sum."""
+    import mmap
+    import subprocess
+    import sys
+    import time
+
+    from fedspear.runtime.memory import TreePeak
+
+    blob = tmp_path / "weights.bin"
+    blob.write_bytes(b"\1" * (300 * 2**20))
+    child_code = (
+        "import mmap, sys, time\n"
+        "own = bytearray(b'\\2' * (300 * 2**20))\n"
+        "f = open(sys.argv[1], 'rb'); m = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)\n"
+        "total = sum(m[i] for i in range(0, len(m), 4096))\n"
+        "print('ready', flush=True); time.sleep(60)\n")
+    tree = TreePeak()
+    before = tree.sample()
+    with open(blob, "rb") as fh:
+        mapped = mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_READ)
+        assert sum(mapped[i] for i in range(0, len(mapped), 4096)) == 300 * 2**20 // 4096  # every page resident
+        child = subprocess.Popen([sys.executable, "-c", child_code, str(blob)], stdout=subprocess.PIPE, text=True)
+        try:
+            assert child.stdout.readline().strip() == "ready"
+            time.sleep(0.2)
+            now = tree.sample()
+        finally:
+            child.kill()
+            child.wait()
+            mapped.close()
+    assert now["processes"] == before["processes"] + 1
+    # the child: 300 MiB private + 300 MiB mapped (+ an interpreter); the parent: the same 300 MiB mapped
+    assert now["rss"] - before["rss"] > 300 + 300 + 300 - 50
+    assert 300 + 300 - 50 < now["pss"] - before["pss"] < now["rss"] - before["rss"] - 250
+    assert tree.peak()["pss"] >= now["pss"] - 0.1 and tree.peak(reset=True)["rss"] >= now["rss"] - 0.1
+    assert tree.peak() == {}
+
+
 def test_decode_is_timed_step_by_step_without_the_prefill():
     """generate calls the step clock once per new token, after that token's forward: ``new`` times, so the decode
     rate spans ``new − 1`` steps and no prefill; a 1-token decode has no step to time."""

@@ -78,6 +78,10 @@ def test_run_writes_metrics_report_plots_and_resumes(tmp_path):
         assert set(s) >= {"generate_revisions", "aggregate", "flower_overhead", "clients_total"}
         assert r["eval"]["n"] == 8 and r["wall_clock"] > records[0]["wall_clock"]
         assert r["peak_rss_mb"]["client"] > 100 and r["peak_rss_mb"]["server"] > 100
+        # the process tree (server, Ray, client actor) together holds more than either process alone
+        tree = r["peak_tree_mb"]
+        assert tree["rss"] >= tree["pss"] > max(r["peak_rss_mb"].values()) * 0.5
+        assert tree["rss"] > r["peak_rss_mb"]["client"] + 100
         for who in ("client", "server"):  # what a process holds after the round: at most its peak
             assert 100 < r["rss_after_round_mb"][who] <= r["peak_rss_mb"][who]
         if r["wins"]:

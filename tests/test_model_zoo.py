@@ -4,6 +4,7 @@ damaged or missing (synthetic GGUF files; the real 1.1 GB model is not installed
 from __future__ import annotations
 
 import importlib
+import os
 import sys
 from pathlib import Path
 
@@ -166,6 +167,43 @@ def test_export_keeps_the_copy_another_process_finished_first(tmp_path, monkeypa
     _export_gguf(tmp_path / "m.gguf", target)
     assert json.loads((target / "config.json").read_text()) == {"theirs": 1}
     assert [p.name for p in target.parent.iterdir()] == ["m-123"]
+
+
+def test_an_export_a_stop_cut_short_is_removed_by_the_next_one(tmp_path, monkeypatch):
+    """A stopped first export leaves ``<target>.<pid>.tmp`` (the process ends without cleaning up): the next export
+    removes it when that process is gone, and leaves the folder of an export still running."""
+    import subprocess
+    import sys
+    from types import SimpleNamespace
+
+    import transformers
+
+    from fedspear.runtime.model_zoo import _export_gguf
+
+    target = tmp_path / "models" / "m-123"
+    target.parent.mkdir()
+    gone = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    stale = target.with_name(f"m-123.{gone.stdout.strip()}.tmp")
+    running = target.with_name(f"m-123.{os.getppid()}.tmp")
+    for folder in (stale, running):
+        folder.mkdir()
+        (folder / "model.safetensors").write_bytes(b"half")
+
+    class FakeModel:
+        hf_quantizer, is_quantized, config = None, True, SimpleNamespace()
+
+        def save_pretrained(self, path, **kwargs):
+            Path(path).mkdir(parents=True)
+            (Path(path) / "config.json").write_text("{}")
+
+    class FakeTokenizer:
+        def save_pretrained(self, path):
+            (Path(path) / "tokenizer.json").write_text("{}")
+
+    monkeypatch.setattr(transformers.AutoModelForCausalLM, "from_pretrained", lambda *a, **k: FakeModel())
+    monkeypatch.setattr(transformers.AutoTokenizer, "from_pretrained", lambda *a, **k: FakeTokenizer())
+    _export_gguf(tmp_path / "m.gguf", target)
+    assert sorted(p.name for p in target.parent.iterdir()) == sorted(["m-123", running.name])
 
 
 def test_exports_made_elsewhere_stand_in_for_the_packages(tmp_path, monkeypatch):

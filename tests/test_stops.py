@@ -167,6 +167,26 @@ def test_chat_stops_on_ctrl_c_with_its_line(tmp_path):
     assert session(proc.pid) == []
 
 
+def test_a_stop_before_the_first_round_prints_one_line_and_records_nothing(tmp_path):
+    """Ctrl-C while ``fedspear run`` still checks its inputs (here: the packaged model's first export into an empty
+    cache, ≈ 30 s): exit 130 within 10 s, one line and no traceback, no run folder."""
+    cache = tmp_path / "cache"
+    out = tmp_path / "run"
+    proc = start([FEDSPEAR, "run", "--model", "smollm2-135m", "-o", str(out)],
+                 env={**os.environ, "FEDSPEAR_CACHE": str(cache)})
+    wait_for(lambda: (cache / "models").is_dir(), proc, 300, "the model's export")
+    time.sleep(1.0)
+    status, err, _ = stop(proc, signal.SIGINT)
+    assert status == 130, err[-3000:]
+    assert "Traceback" not in err, err[-3000:]
+    assert err.strip().splitlines()[-1] == (
+        f"stopped by SIGINT before the first round (nothing recorded); run it again with: fedspear run --model "
+        f"smollm2-135m -o {out}")
+    assert not out.exists()
+    assert not any(p.name == "config.json" for p in (cache / "models").rglob("*") if ".tmp" not in str(p.parent))
+    assert session(proc.pid) == []
+
+
 # ---- fedspear run: a stop keeps the completed rounds, and the resumed run equals an uninterrupted one ---------------
 ARGS = ["--model", "tiny-random", "--rounds", "3", "--clients", "2", "--clients-per-round", "1",
         "--rollouts-per-round", "4", "--eval-size", "4", "--dtype", "fp32", "--set", "local_steps=2",

@@ -169,6 +169,14 @@ def check_hub_model(model: str) -> None:
                          f"({type(err).__name__}); connect, or use a packaged model or a local folder") from None
 
 
+def before_start(signum: int) -> str:
+    """The line a stop during ``run``'s checks prints (``preflight``: no round has begun, nothing is recorded)."""
+    from .stops import command_line, signal_name
+
+    return f"stopped by {signal_name(signum)} before the first round (nothing recorded); run it again with: " \
+           f"{command_line()}"
+
+
 def preflight(cfg: RunConfig) -> None:
     """Check in this process, before any engine starts, that the task data and the model can be found.
 
@@ -260,7 +268,8 @@ def run(
     from .tasks.base import DataError
 
     try:
-        preflight(cfg)
+        with Stops(before_start):  # a stop while the data load and the first model export run: one line, no traceback
+            preflight(cfg)
     except (ConfigError, DataError, ModelError, RunDirError, ValueError) as err:
         _fail(str(err))
     except OSError as err:  # a folder that check_output could not foresee (a special file system)

@@ -259,6 +259,7 @@ def write_report(path: str | Path, records: Sequence[dict], cfg: RunConfig, dtyp
     rounds = [r for r in records if r["round"] > 0]
     peak_client = max((r.get("peak_rss_mb", {}).get("client", 0) for r in rounds), default=0)
     peak_server = max((r.get("peak_rss_mb", {}).get("server", 0) for r in records), default=0)
+    peak_tree = max((r.get("peak_tree_mb", {}).get("pss", 0) for r in records), default=0)
     dp = cfg.dp != "off"
     lines = [
         f"# fedspear run — {cfg.algorithm}, {cfg.task}, {cfg.model}",
@@ -278,7 +279,8 @@ def write_report(path: str | Path, records: Sequence[dict], cfg: RunConfig, dtyp
         f"{cfg.lr_min}, {cfg.local_steps} local steps × batch {cfg.batch_size}, normalisation {cfg.normalization}",
         f"- compute dtype: **{dtype}**; held-out items evaluated: {first['eval']['n'] if first else '–'}"
         + (f" (generation on {first['eval']['n_gen']})" if first and "n_gen" in first["eval"] else ""),
-        f"- peak memory (RSS): server {peak_server:.0f} MiB, client worker {peak_client:.0f} MiB",
+        f"- peak memory (RSS): server {peak_server:.0f} MiB, client worker {peak_client:.0f} MiB"
+        + (f"; all processes together (PSS sum) {peak_tree:.0f} MiB" if peak_tree else ""),
         f"- wall-clock: {records[-1].get('wall_clock', 0) / 60:.1f} min over {len(rounds)} rounds"
         if records else "",
         *_health_warning_lines(records),

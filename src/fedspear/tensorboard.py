@@ -43,6 +43,8 @@ def scalars(record: dict[str, Any]) -> dict[str, float]:
         out[f"time/{key}_s"] = value
     for key, value in (record.get("peak_rss_mb") or {}).items():
         out[f"memory/peak_rss_{key}_mb"] = value
+    for key, value in (record.get("peak_tree_mb") or {}).items():
+        out[f"memory/peak_tree_{key}_mb"] = value
     for key in HEALTH_EVAL_KEYS:  # learning health (fedspear.health): evaluation answers, then training answers
         out[f"health/eval_{key}"] = (record.get("eval") or {}).get(key)
     for key, value in (record.get("health") or {}).items():

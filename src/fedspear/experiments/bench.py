@@ -447,7 +447,8 @@ def spear_round(model: str, dtype: str, quick: bool, output_dir: str | None, rou
     simulate(cfg, on_round=(lambda r: progress(f"round {r['round']} of {rounds} done ({r['wall_clock']:.0f} s so far)"))
              if progress else None)
     wall = time.perf_counter() - t0
-    records = RunDir(cfg.output_dir).records()[1:]
+    all_records = RunDir(cfg.output_dir).records()
+    records = all_records[1:]
 
     def per_client_round(r: dict) -> float:
         return training_seconds(r) / max(1, r["clients_ok"])
@@ -471,6 +472,9 @@ def spear_round(model: str, dtype: str, quick: bool, output_dir: str | None, rou
         "flower_overhead_share_each": [r["seconds"]["flower_overhead"] / max(1e-9, training_seconds(r))
                                        for r in records],
         "peak_rss_mb": records[-1]["peak_rss_mb"],
+        # the sums over the process tree (server, Ray, client actor), the largest of any round (round 0 included)
+        "peak_tree_mb": {key: max((r.get("peak_tree_mb", {}).get(key, 0.0) for r in all_records), default=0.0)
+                         for key in ("rss", "pss")},
         "rss_after_round_mb": records[-1].get("rss_after_round_mb", {}),
         "wall_seconds_including_startup": wall,
         "counters": {k: r1[k] for k in ("prompts", "wins", "losses", "revisions_attempted", "revisions_successful",
@@ -803,7 +807,9 @@ def render(result: dict[str, Any]) -> str:
             f"{r['peak_rss_mb'].get('client', 0):.0f} MiB, server {r['peak_rss_mb'].get('server', 0):.0f} MiB; "
             f"resident after the round (freed memory returned) client "
             f"{r.get('rss_after_round_mb', {}).get('client', float('nan')):.0f} MiB, server "
-            f"{r.get('rss_after_round_mb', {}).get('server', float('nan')):.0f} MiB.",
+            f"{r.get('rss_after_round_mb', {}).get('server', float('nan')):.0f} MiB; all processes together "
+            f"(server, Ray, client actor: peak of the summed PSS, RSS sum in brackets) "
+            f"{r.get('peak_tree_mb', {}).get('pss', 0):.0f} MiB ({r.get('peak_tree_mb', {}).get('rss', 0):.0f}).",
         ]
     rows = targets(result)
     if rows:

@@ -27,7 +27,7 @@ from fedspear import counters, progress
 from fedspear.answers import copy_eval_answers, write_eval_answers
 from fedspear.health import round_health, warnings_for
 from fedspear.arrays import layout_mismatch
-from fedspear.runtime.memory import peak_rss_mb, release_memory
+from fedspear.runtime.memory import peak_rss_mb, release_memory, tree_peak
 from fedspear.runtime.model import model_device
 from fedspear.tasks import load_train_examples
 from fedspear.config import ConfigError, RunConfig, load_config, snake_key
@@ -148,6 +148,14 @@ def _round_record(server_round: int, lr: float, replies, aggregated: bool, rejec
     }
     del record["num_wins"], record["num_losses"]
     return record
+
+
+def tree_record() -> dict:
+    """``{"peak_tree_mb": {"rss": …, "pss": …}}``: the peak since the last record of the sums over the process tree
+    this ServerApp runs in (a simulation: the server, Ray and its client actor; ``fedspear.runtime.memory.TreePeak``),
+    MiB; empty where no sampler runs (a deployed ServerApp)."""
+    peak = tree_peak(reset=True)
+    return {"peak_tree_mb": peak} if peak else {}
 
 
 def add_wire_bytes(record: dict, to_client: dict[int, int], from_client: dict[int, int]) -> None:
@@ -345,6 +353,7 @@ def run_server(grid: Grid, cfg: RunConfig, on_round: Callable[[dict], None] | No
                       "device": device,
                       "skipped_eval_records": len(evaluator.skipped),
                       "peak_rss_mb": {"server": peak_rss_mb()}, "rss_after_round_mb": {"server": release_memory()},
+                      **tree_record(),
                       "health_warnings": warnings_for(metrics, 0, metrics)}
             run.append(record)
             records.append(record)
@@ -447,6 +456,7 @@ def run_server(grid: Grid, cfg: RunConfig, on_round: Callable[[dict], None] | No
             record["wall_clock"] = wall
             record["peak_rss_mb"]["server"] = peak_rss_mb()
             record["rss_after_round_mb"]["server"] = release_memory()
+            record.update(tree_record())
             state = state_to_arrays(strategy.opt_state) if strategy.server_opt else None
             json_state = {STATE_FILE: private.ledger.state_dict()} if private is not None else None
             run.save_adapter(server_round, arrays, evaluator.peft_config(), server_state=state, json_state=json_state)

@@ -174,6 +174,9 @@ def simulate(cfg: RunConfig, on_round: Callable[[dict], None] | None = None, ver
     cpus = max(1, min(2, os.cpu_count() or 1))
     gpus = torch.cuda.device_count() if resolve_device(cfg.device) == "cuda" else 0
     backend = backend_config(cfg, cpus, gpus, verbose)
+    from fedspear.runtime import memory
+
+    memory.watch_tree()  # the peak over this process and Ray's, recorded per round by the ServerApp
     try:
         # cooperative from Ray's start on: a signal raises nothing inside ray.init (whose fork hooks would swallow
         # it), the start completes and the stop is taken right after it
@@ -186,6 +189,7 @@ def simulate(cfg: RunConfig, on_round: Callable[[dict], None] | None = None, ver
         os.environ.pop(PROGRESS_ENV, None)
         os.environ.pop(TRACE_ENV, None)
         progress.stop()
+        memory.unwatch_tree()
         # Flower's engine shuts Ray down, but not when the run failed or stopped before the engine began (Ray's
         # start cut short after ray.init included); Ray is not imported just to ask
         ray = sys.modules.get("ray")

@@ -1,5 +1,6 @@
 """This process's resident memory: its peak, and what it still holds after handing freed memory back to the OS
-(recorded per round as ``peak_rss_mb`` / ``rss_after_round_mb`` by clients and the server; ``fedspear bench``)."""
+(recorded per round as ``peak_rss_mb`` / ``rss_after_round_mb`` by clients and the server; ``fedspear bench``); and
+the peak of a process tree taken together (``TreePeak``: ``peak_tree_mb`` in a simulation's records)."""
 
 from __future__ import annotations
 
@@ -114,3 +115,116 @@ def page_out(tensor, mappings: list[tuple[int, int]] | None = None) -> int:
         return end - start if libc.madvise(start, end - start, MADV_PAGEOUT) == 0 else 0
     except (OSError, AttributeError):
         return 0
+
+
+class TreePeak:
+    """The peak memory of this process and every process it started (Ray's raylet, GCS and client actor in a
+    simulation), sampled every ``interval`` seconds in a daemon thread: the largest **sum over the tree** of each
+    process's RSS and of its PSS (Linux's proportional set size: a page ``n`` processes map counts ``1/n`` in each,
+    so the sum is the memory the tree occupies; the RSS sum counts a shared page, such as a memory-mapped model copy
+    read by the server and the client actor, once per process). MiB. ``psutil`` reads ``/proc/<pid>/smaps_rollup``.
+
+    ``peak(reset=True)`` returns ``{"rss": …, "pss": …}`` since the last reset (or the start) and starts afresh;
+    empty before the first sample (or where psutil cannot read memory). A sample misses what lives shorter than
+    ``interval`` (0.5 s by default): a peak between two samples is not seen.
+
+    Use as a context manager or ``start()`` / ``stop()``.
+    """
+
+    def __init__(self, interval: float = 0.5, pid: int | None = None):
+        import threading
+
+        self.interval = interval
+        self.pid = os.getpid() if pid is None else pid
+        self._lock = threading.Lock()
+        self._peak: dict[str, float] = {}
+        self._done = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def sample(self) -> dict[str, float]:
+        """One reading of the tree: ``{"rss", "pss", "processes"}`` summed over the processes that could be read
+        (MiB), folded into the peak."""
+        import psutil
+
+        try:
+            root = psutil.Process(self.pid)
+            procs = [root, *root.children(recursive=True)]
+        except psutil.Error:
+            return {}
+        rss = pss = 0
+        seen = 0
+        for proc in procs:
+            try:
+                info = proc.memory_full_info()
+            except psutil.Error:  # gone, or not ours to read
+                continue
+            rss += info.rss
+            pss += getattr(info, "pss", info.rss)
+            seen += 1
+        now = {"rss": rss / 2**20, "pss": pss / 2**20, "processes": seen}
+        with self._lock:
+            for key in ("rss", "pss"):
+                self._peak[key] = max(self._peak.get(key, 0.0), now[key])
+        return now
+
+    def peak(self, reset: bool = False) -> dict[str, float]:
+        """The largest sums seen (MiB, rounded to 1); with ``reset`` the next peak starts from the next sample."""
+        with self._lock:
+            out = {key: round(value, 1) for key, value in self._peak.items()}
+            if reset:
+                self._peak = {}
+        return out
+
+    def _run(self) -> None:
+        while not self._done.is_set():
+            self.sample()
+            self._done.wait(self.interval)
+
+    def start(self) -> "TreePeak":
+        import threading
+
+        self._done.clear()
+        self._thread = threading.Thread(target=self._run, name="fedspear-tree-peak", daemon=True)
+        self._thread.start()
+        return self
+
+    def stop(self) -> dict[str, float]:
+        """Stop sampling (one last sample first); returns ``peak()``."""
+        self._done.set()
+        if self._thread is not None:
+            self._thread.join()
+            self._thread = None
+        self.sample()
+        return self.peak()
+
+    def __enter__(self) -> "TreePeak":
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+
+_TREE: TreePeak | None = None
+
+
+def watch_tree(interval: float = 0.5) -> TreePeak:
+    """Start (or return the running) process-tree sampler of this process (:class:`TreePeak`); ``fedspear.fl.
+    simulation`` starts it for a simulation, whose ServerApp records ``tree_peak()`` per round."""
+    global _TREE
+    if _TREE is None:
+        _TREE = TreePeak(interval).start()
+    return _TREE
+
+
+def unwatch_tree() -> None:
+    """Stop the sampler :func:`watch_tree` started (no-op when none runs)."""
+    global _TREE
+    if _TREE is not None:
+        _TREE.stop()
+        _TREE = None
+
+
+def tree_peak(reset: bool = True) -> dict[str, float]:
+    """The process tree's peak since the last call (:class:`TreePeak`), ``{"rss", "pss"}`` MiB; empty when no
+    sampler runs here (a deployed ServerApp, whose clients are other machines)."""
+    return _TREE.peak(reset=reset) if _TREE is not None else {}

@@ -1,8 +1,8 @@
 """Load the base model and tokenizer, wrap it with a LoRA adapter (peft), and move adapter weights in and out.
 
 Where the weights come from is ``model_zoo`` (packaged GGUF files, exported once); the CPU speed patches
-``load_base`` installs are ``cpu_kernels``. ``resolve_device`` / ``resolve_dtype`` decide where and in
-which precision everything runs.
+``load_base`` installs are ``cpu_kernels``; ``shared_copy`` keeps the converted CPU weights in one file that every
+process maps. ``resolve_device`` / ``resolve_dtype`` decide where and in which precision everything runs.
 """
 
 from __future__ import annotations
@@ -23,6 +23,7 @@ from .cpu_kernels import (
     use_decode_attention,
 )
 from .model_zoo import DEFAULT_MODEL, TINY_MODEL, ModelError, resolve_model_dir
+from .shared_copy import shared_bf16_weights
 
 log = logging.getLogger(__name__)
 
@@ -85,11 +86,12 @@ class LoraSettings:
 def load_base(model: str = DEFAULT_MODEL, dtype: str = "auto", device: str = "auto"):
     """Load tokenizer and base causal LM on ``device`` for computing in ``dtype`` (bf16 under autocast, see
     ``autocast``). On the CPU the weights are loaded in fp32, then the linear weights stored in bf16 and the decode
-    attention kernel installed (CPU speed patches, ``cpu_kernels``). On a CUDA GPU with bf16, every parameter is held
-    in bf16 (``bf16_parameters``; buffers such as RoPE frequencies stay as they are), as transformers loads a model
-    with ``dtype=torch.bfloat16``: no fp32 copy is read on each step (a decode step at batch 32 of Qwen2.5-1.5B:
-    145 ms with fp32 weights under autocast, 54 ms with bf16 weights, issue 40's probe); the LoRA adapter ``add_lora``
-    adds stays fp32 (peft's ``autocast_adapter_dtype``), trained under autocast.
+    attention kernel installed (CPU speed patches, ``cpu_kernels``); with bf16, the converted weights are views of
+    one shared file that every process maps (``shared_copy``), not each process's own memory. On a CUDA GPU with
+    bf16, every parameter is held in bf16 (``bf16_parameters``; buffers such as RoPE frequencies stay as they are),
+    as transformers loads a model with ``dtype=torch.bfloat16``: no fp32 copy is read on each step (a decode step at
+    batch 32 of Qwen2.5-1.5B: 145 ms with fp32 weights under autocast, 54 ms with bf16 weights, issue 40's probe);
+    the LoRA adapter ``add_lora`` adds stays fp32 (peft's ``autocast_adapter_dtype``), trained under autocast.
 
     Returns:
         ``(model, tokenizer, dtype_used)`` with ``tokenizer.padding_side == "left"`` and a pad token set; the model's
@@ -119,7 +121,9 @@ def load_base(model: str = DEFAULT_MODEL, dtype: str = "auto", device: str = "au
         if dtype_used == "bf16":
             bf16_parameters(base)
         return base.to(where_to), tokenizer, dtype_used
-    if dtype_used == "bf16":
+    if dtype_used == "bf16" and model != TINY_MODEL:
+        shared_bf16_weights(base, where)  # one copy on disk, mapped by the server and the client actor alike
+    elif dtype_used == "bf16":
         store_linear_weights_bf16(base)
     use_decode_attention(base)
     return base, tokenizer, dtype_used

@@ -198,6 +198,7 @@ def join_split_gguf(name: str) -> Path:
 
 def _export_gguf(gguf: Path, target: Path) -> None:
     """De-quantise a GGUF file with transformers and save it (safetensors + tokenizer) to ``target``."""
+    import psutil
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     log.info("exporting %s to %s (once; later loads use the cache)", gguf.name, target)
@@ -210,7 +211,10 @@ def _export_gguf(gguf: Path, target: Path) -> None:
     if hasattr(model.config, "quantization_config"):
         del model.config.quantization_config
     tmp = target.with_name(f"{target.name}.{os.getpid()}.tmp")  # per process: two first loads may race
-    shutil.rmtree(tmp, ignore_errors=True)
+    for left in target.parent.glob(f"{target.name}.*.tmp"):  # an export a stop cut short (its process is gone)
+        pid = left.name.rsplit(".", 2)[-2]
+        if left == tmp or not (pid.isdigit() and psutil.pid_exists(int(pid))):
+            shutil.rmtree(left, ignore_errors=True)
     model.save_pretrained(tmp, safe_serialization=True)
     tokenizer.save_pretrained(tmp)
     try:

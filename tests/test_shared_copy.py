@@ -17,11 +17,24 @@ from fedspear.runtime.model import autocast, load_base, tiny_model
 from fedspear.runtime.shared_copy import copy_path, map_copy
 
 
-@pytest.fixture()
-def folder(tmp_path, monkeypatch):
-    """A local transformers folder (the tiny Llama, tied embeddings) and an empty fedspear cache."""
+def tiny_qwen2(tokenizer):
+    """A 2-layer Qwen2 (q/k/v biases, untied output embedding), random weights."""
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    torch.manual_seed(0)
+    return Qwen2ForCausalLM(Qwen2Config(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128,
+                                        num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                                        tie_word_embeddings=False, pad_token_id=tokenizer.pad_token_id))
+
+
+@pytest.fixture(params=["llama-tied", "qwen2-untied-biases"])
+def folder(request, tmp_path, monkeypatch):
+    """A local transformers folder (the tiny Llama with tied embeddings, or a tiny Qwen2 with biases and its own
+    output embedding) and an empty fedspear cache."""
     monkeypatch.setenv("FEDSPEAR_CACHE", str(tmp_path / "cache"))
     model, tokenizer = tiny_model()
+    if request.param.startswith("qwen2"):
+        model = tiny_qwen2(tokenizer)
     out = tmp_path / "tiny"
     model.save_pretrained(out)
     tokenizer.save_pretrained(out)
@@ -55,11 +68,14 @@ def test_the_copy_holds_exactly_the_conversion_and_is_mapped(folder):
     path = copy_path(folder)
     assert dtype == "bf16" and path.exists()
     mine, theirs = dict(base.named_parameters()), dict(ref.named_parameters())
-    assert set(mine) == set(theirs) and "lm_head.weight" in mine  # the tied output embedding has its own bf16 copy
+    assert set(mine) == set(theirs) and "lm_head.weight" in mine  # a tied output embedding has its own bf16 copy
     for name, tensor in mine.items():
         assert tensor.dtype == theirs[name].dtype and torch.equal(tensor, theirs[name]), name
         assert lives_in(tensor, path), f"{name} is not a view of the shared copy"
     assert base.lm_head.weight.dtype == torch.bfloat16 and base.model.embed_tokens.weight.dtype == torch.float32
+    biases = [name for name in mine if name.endswith("_proj.bias")]
+    assert all(mine[name].dtype == torch.bfloat16 for name in biases)  # Qwen2's q/k/v biases, as linears'
+    assert bool(biases) == (base.config.model_type == "qwen2")
     ids = tokenizer(["The capital of France is", "Two and two make"], return_tensors="pt", padding=True)
     with torch.no_grad(), autocast("bf16"):
         assert torch.equal(base(**ids).logits, ref(**ids).logits)
@@ -101,11 +117,13 @@ def test_a_changed_export_gets_a_new_copy_and_a_wrong_copy_is_written_again(fold
     os.utime(folder / "model.safetensors", ns=(1, 1))
     second = copy_path(folder)
     assert second != first
+    load_base(str(folder), dtype="bf16", device="cpu")  # the new copy replaces the old one of the same folder
+    assert second.exists() and not first.exists()
     from safetensors.torch import load_file, save_file
 
-    tensors = load_file(str(first))  # a copy that is not this model's: one tensor of another shape
+    tensors = load_file(str(second))  # a copy that is not this model's: one tensor of another shape
     tensors["model.norm.weight"] = torch.ones(3)
-    save_file(tensors, str(second))
+    save_file(tensors, str(second), metadata={"fedspear_format": "1"})
     with caplog.at_level(logging.WARNING, logger="fedspear.runtime.shared_copy"):
         base, _, _ = load_base(str(folder), dtype="bf16", device="cpu")
     assert "does not match the model" in caplog.text
@@ -134,3 +152,65 @@ def test_an_unwritable_cache_converts_in_this_process(folder, tmp_path, monkeypa
     assert "converting in this process" in caplog.text
     ref = converted(folder)
     assert all(torch.equal(t, dict(ref.named_parameters())[n]) for n, t in base.named_parameters())
+
+
+@pytest.mark.skipif(not Path("/proc/self/maps").exists(), reason="needs Linux's /proc/self/maps")
+def test_processes_starting_together_write_one_copy_and_map_it(folder):
+    """Three processes loading the model at once (a simulation's server and client actor start together): one writes
+    the copy under the lock, every one maps that same file, and no temporary file stays."""
+    code = ("import sys; from fedspear.runtime.model import load_base; "
+            "from fedspear.runtime.shared_copy import copy_path; "
+            "base, _, _ = load_base(sys.argv[1], dtype='bf16', device='cpu'); "
+            "print(str(copy_path(sys.argv[1])) in open('/proc/self/maps').read())")
+    procs = [subprocess.Popen([sys.executable, "-c", code, str(folder)], stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True) for _ in range(3)]
+    outs = [proc.communicate(timeout=300) for proc in procs]
+    assert all(proc.returncode == 0 for proc in procs), [err[-2000:] for _, err in outs]
+    assert [out.strip().splitlines()[-1] for out, _ in outs] == ["True"] * 3
+    path = copy_path(folder)
+    assert sorted(p.name for p in path.parent.iterdir()) == sorted([path.name, path.name + ".lock"])
+
+
+@pytest.mark.parametrize("damage", ["cut-short", "dtype-swapped"])
+def test_a_damaged_or_wrong_dtype_copy_is_written_again(folder, damage, caplog):
+    """A copy cut short (a crash while it was written elsewhere) or holding a tensor in another dtype (a conversion
+    that changed without a new format) is not mapped: it is written again, and the model is the conversion's."""
+    from safetensors.torch import load_file, save_file
+
+    load_base(str(folder), dtype="bf16", device="cpu")
+    path = copy_path(folder)
+    if damage == "cut-short":
+        path.write_bytes(path.read_bytes()[: path.stat().st_size // 2])
+    else:
+        tensors = load_file(str(path))
+        tensors["model.layers.0.mlp.up_proj.weight"] = tensors["model.layers.0.mlp.up_proj.weight"].float()
+        save_file(tensors, str(path), metadata={"fedspear_format": "1", "kind": "cpu-bf16-linears"})
+    with caplog.at_level(logging.WARNING, logger="fedspear.runtime.shared_copy"):
+        base, _, _ = load_base(str(folder), dtype="bf16", device="cpu")
+    assert "writing it again" in caplog.text
+    ref = converted(folder)
+    theirs = dict(ref.named_parameters())
+    assert all(t.dtype == theirs[n].dtype and torch.equal(t, theirs[n]) for n, t in base.named_parameters())
+    assert all(lives_in(t, path) for t in base.parameters())
+
+
+def test_a_hub_id_is_converted_in_this_process(monkeypatch, tmp_path):
+    """A model named by a hub id has no folder of ours: converted as before, nothing written to the cache."""
+    from fedspear.runtime.shared_copy import shared_bf16_weights
+
+    monkeypatch.setenv("FEDSPEAR_CACHE", str(tmp_path / "cache"))
+    model, _ = tiny_model()
+    assert shared_bf16_weights(model, "someorg/some-model") is None
+    assert model.lm_head.weight.dtype == torch.bfloat16 and model.model.embed_tokens.weight.dtype == torch.float32
+    assert not (tmp_path / "cache" / "shared").exists()
+
+
+def test_what_a_stopped_writer_left_is_removed(folder):
+    """``.<copy>.<pid>.tmp`` of a writer that is gone is removed by the next load."""
+    path = copy_path(folder)
+    path.parent.mkdir(parents=True)
+    gone = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    left = path.with_name(f".{path.name}.{gone.stdout.strip()}.tmp")
+    left.write_bytes(b"half a copy")
+    load_base(str(folder), dtype="bf16", device="cpu")
+    assert not left.exists() and path.exists()

@@ -31,13 +31,13 @@ def tiny_qwen2(tokenizer):
 def folder(request, tmp_path, monkeypatch):
     """A local transformers folder (the tiny Llama with tied embeddings, or a tiny Qwen2 with biases and its own
     output embedding) and an empty fedspear cache."""
-    monkeypatch.setenv("FEDSPEAR_CACHE", str(tmp_path / "cache"))
-    model, tokenizer = tiny_model()
+    model, tokenizer = tiny_model()  # its tokenizer from the usual cache (an empty one would export SmolLM2 again)
     if request.param.startswith("qwen2"):
         model = tiny_qwen2(tokenizer)
     out = tmp_path / "tiny"
     model.save_pretrained(out)
     tokenizer.save_pretrained(out)
+    monkeypatch.setenv("FEDSPEAR_CACHE", str(tmp_path / "cache"))
     return out
 
 
@@ -198,8 +198,8 @@ def test_a_hub_id_is_converted_in_this_process(monkeypatch, tmp_path):
     """A model named by a hub id has no folder of ours: converted as before, nothing written to the cache."""
     from fedspear.runtime.shared_copy import shared_bf16_weights
 
-    monkeypatch.setenv("FEDSPEAR_CACHE", str(tmp_path / "cache"))
     model, _ = tiny_model()
+    monkeypatch.setenv("FEDSPEAR_CACHE", str(tmp_path / "cache"))
     assert shared_bf16_weights(model, "someorg/some-model") is None
     assert model.lm_head.weight.dtype == torch.bfloat16 and model.model.embed_tokens.weight.dtype == torch.float32
     assert not (tmp_path / "cache" / "shared").exists()

@@ -2,7 +2,7 @@
 
     fedspear certs deploy/ --host 10.0.0.5 --host superlink.lan --node node-0 --node node-1
 
-What Flower 1.41 reads, and from where:
+What Flower 1.41–1.42 reads, and from where:
 
 - ``flower-superlink --ssl-ca-certfile ca.pem --ssl-certfile server.pem --ssl-keyfile server.key``: one TLS
   certificate for the Fleet, Control and Runtime APIs (all on one HTTP port). Its subject alternative names must

@@ -1,6 +1,6 @@
 """A long-lived process per SuperNode that keeps the base model loaded, so deployment rounds never reload weights.
 
-Why it exists: a Flower 1.41 SuperNode runs every message in a fresh ``flwr-clientapp`` process. With
+Why it exists: a Flower 1.41–1.42 SuperNode runs every message in a fresh ``flwr-clientapp`` process. With
 ``--isolation subprocess`` (the default) the SuperNode starts ``flower-superexec``
 (``flwr/supernode/start_client_internal.py``), whose ``SubprocessExecutor.launch``
 (``flwr/supercore/superexec/executor/subprocess_executor.py``) starts one ``flwr-clientapp --token <t>`` per task;

@@ -49,7 +49,7 @@ so their moments and every later θ are post-processing of noised releases. Insi
 DP) they would be noised after a nonlinear step whose moments carry un-noised averages into later rounds: no
 guarantee. Robust rules (median, trimmed mean) are refused: σ = z·C/m is not calibrated for them (``config.py``).
 
-**Workaround (zero updates).** Flower 1.41's flat clipping divides C by the update's norm
+**Workaround (zero updates).** Flower 1.41–1.42's flat clipping divides C by the update's norm
 (``clip_inputs_inplace``, ``flwr/supercore/differential_privacy.py:56``; open upstream fix flwrlabs/flower#7631), so
 an update that is exactly zero — a client with nothing to train on returns θ^(t) unchanged — raises
 ZeroDivisionError: in the client mod (the client becomes an error reply) and in the server-side wrapper (the

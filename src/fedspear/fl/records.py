@@ -3,7 +3,7 @@ optional compressed update encodings; and what a message costs on the wire.
 
 Used by the ServerApp, the strategy and the ClientApp alike.
 
-**Bytes on the wire** (``wire_bytes``). Flower 1.41 moves a Message as a tree of content-addressed objects: the
+**Bytes on the wire** (``wire_bytes``). Flower 1.41–1.42 moves a Message as a tree of content-addressed objects: the
 Message (its metadata), its RecordDict, each record, each Array and the Array's chunks of at most 5 MiB
 (``flwr/supercore/inflatable``); the ServerApp, SuperLink and SuperNode push and pull each object's ``deflate()``d
 bytes (``push_objects`` / ``pull_objects``) and the message's object tree (``get_object_tree``, protobuf). A

@@ -1,8 +1,9 @@
 """Secure aggregation for fedspear rounds: Flower's SecAgg+ (``secure_aggregation = "secaggplus"``), so that the
 server only ever learns the win-weighted mean of the sampled clients' updates, never one client's adapter.
 
-Flower 1.41 has secure aggregation on its *legacy* strategy API only (no Message-API workflow; flwrlabs/flower#4615
-is open), so this module runs fedspear's rounds through Flower's own legacy pieces, and no cryptography of its own:
+Flower 1.41 and 1.42 have secure aggregation on their *legacy* strategy API only (no Message-API workflow;
+flwrlabs/flower#4615 is open), so this module runs fedspear's rounds through Flower's own legacy pieces, and no
+cryptography of its own:
 
 - server: ``SecAggPlusWorkflow`` (``flwr/server/workflow/secure_aggregation/secaggplus_workflow.py``) with a
   ``LegacyContext`` holding ``SecAggStrategy``, a legacy ``Strategy`` for fedspear's sampling and aggregation, and a

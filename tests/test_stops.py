@@ -167,6 +167,30 @@ def test_chat_stops_on_ctrl_c_with_its_line(tmp_path):
     assert session(proc.pid) == []
 
 
+def test_eval_stops_on_ctrl_c_mid_evaluation_and_writes_nothing(tmp_path):
+    """Ctrl-C while ``fedspear eval`` generates (the tiny model over the whole ARC test split): exit 130 within 10 s,
+    its one line with the command, no traceback, no results file, nothing of its session left."""
+    out = tmp_path / "eval.json"
+    args = ["eval", "--model", "tiny-random", "--dtype", "fp32", "--eval-size", "0", "--set", "max_new_tokens=64",
+            "-o", str(out)]
+    proc = start([FEDSPEAR, *args], env=dict(os.environ))
+
+    def torch_loaded() -> bool:
+        try:
+            return "libtorch_cpu" in Path(f"/proc/{proc.pid}/maps").read_text()
+        except OSError:
+            return False
+    wait_for(torch_loaded, proc, 120, "torch loaded")
+    time.sleep(4.0)  # then the data and the model, and generating (the whole split takes minutes)
+    assert proc.poll() is None, proc.stderr.read()[-3000:]
+    status, err, _ = stop(proc, signal.SIGINT)
+    assert status == 130, err[-3000:]
+    assert "Traceback" not in err, err[-3000:]
+    assert err.strip().splitlines()[-1] == f"stopped by SIGINT; run it again with: fedspear {' '.join(args)}"
+    assert not out.exists()
+    assert session(proc.pid) == []
+
+
 def test_a_stop_before_the_first_round_prints_one_line_and_records_nothing(tmp_path):
     """Ctrl-C while ``fedspear run`` still checks its inputs (here: the packaged model's first export into an empty
     cache, ≈ 30 s): exit 130 within 10 s, one line and no traceback, no run folder."""

@@ -136,27 +136,22 @@ def test_gradient_checkpointing_changes_memory_not_gradients(dropout):
         use_gradient_checkpointing(small, "yes")
 
 
-def test_export_keeps_the_copy_another_process_finished_first(tmp_path, monkeypatch):
-    """Two processes loading a packaged model for the first time both export it (seen: `fedspear models install`
-    beside a run); the second rename must not fail the run, and no temporary folder may stay behind."""
-    import json
+def fake_transformers(monkeypatch, config: str, after_save=None) -> None:
+    """Make ``_export_gguf``'s transformers calls load a stand-in model whose ``save_pretrained`` writes ``config`` as
+    config.json (then calls ``after_save``) and a tokenizer that writes tokenizer.json: the export's file handling
+    without a GGUF."""
     from types import SimpleNamespace
 
     import transformers
-
-    from fedspear.runtime.model_zoo import _export_gguf
-
-    target = tmp_path / "models" / "m-123"
-    target.parent.mkdir()
 
     class FakeModel:
         hf_quantizer, is_quantized, config = None, True, SimpleNamespace()
 
         def save_pretrained(self, path, **kwargs):
             Path(path).mkdir(parents=True)
-            (Path(path) / "config.json").write_text('{"mine": 1}')
-            target.mkdir()  # meanwhile the other process finishes its export
-            (target / "config.json").write_text('{"theirs": 1}')
+            (Path(path) / "config.json").write_text(config)
+            if after_save is not None:
+                after_save()
 
     class FakeTokenizer:
         def save_pretrained(self, path):
@@ -164,6 +159,24 @@ def test_export_keeps_the_copy_another_process_finished_first(tmp_path, monkeypa
 
     monkeypatch.setattr(transformers.AutoModelForCausalLM, "from_pretrained", lambda *a, **k: FakeModel())
     monkeypatch.setattr(transformers.AutoTokenizer, "from_pretrained", lambda *a, **k: FakeTokenizer())
+
+
+def test_export_keeps_the_copy_another_process_finished_first(tmp_path, monkeypatch):
+    """Two processes loading a packaged model for the first time both export it (seen: `fedspear models install`
+    beside a run); the second rename must not fail the run, and no temporary folder may stay behind."""
+    import json
+
+
+    from fedspear.runtime.model_zoo import _export_gguf
+
+    target = tmp_path / "models" / "m-123"
+    target.parent.mkdir()
+
+    def meanwhile() -> None:  # the other process finishes its export
+        target.mkdir()
+        (target / "config.json").write_text('{"theirs": 1}')
+
+    fake_transformers(monkeypatch, '{"mine": 1}', meanwhile)
     _export_gguf(tmp_path / "m.gguf", target)
     assert json.loads((target / "config.json").read_text()) == {"theirs": 1}
     assert [p.name for p in target.parent.iterdir()] == ["m-123"]
@@ -174,9 +187,7 @@ def test_an_export_a_stop_cut_short_is_removed_by_the_next_one(tmp_path, monkeyp
     removes it when that process is gone, and leaves the folder of an export still running."""
     import subprocess
     import sys
-    from types import SimpleNamespace
 
-    import transformers
 
     from fedspear.runtime.model_zoo import _export_gguf
 
@@ -189,19 +200,7 @@ def test_an_export_a_stop_cut_short_is_removed_by_the_next_one(tmp_path, monkeyp
         folder.mkdir()
         (folder / "model.safetensors").write_bytes(b"half")
 
-    class FakeModel:
-        hf_quantizer, is_quantized, config = None, True, SimpleNamespace()
-
-        def save_pretrained(self, path, **kwargs):
-            Path(path).mkdir(parents=True)
-            (Path(path) / "config.json").write_text("{}")
-
-    class FakeTokenizer:
-        def save_pretrained(self, path):
-            (Path(path) / "tokenizer.json").write_text("{}")
-
-    monkeypatch.setattr(transformers.AutoModelForCausalLM, "from_pretrained", lambda *a, **k: FakeModel())
-    monkeypatch.setattr(transformers.AutoTokenizer, "from_pretrained", lambda *a, **k: FakeTokenizer())
+    fake_transformers(monkeypatch, "{}")
     _export_gguf(tmp_path / "m.gguf", target)
     assert sorted(p.name for p in target.parent.iterdir()) == sorted(["m-123", running.name])
 

@@ -196,9 +196,17 @@ def join_split_gguf(name: str) -> Path:
     return target
 
 
+def left_by_a_dead_process(path: Path) -> bool:
+    """Whether ``path``, a temporary ``<name>.<pid>.tmp`` a writer names by its process id, was left by a process
+    that is gone (a stopped export or weight copy); False when the name holds no process id."""
+    import psutil
+
+    pid = path.name.rsplit(".", 2)[-2]
+    return pid.isdigit() and not psutil.pid_exists(int(pid))
+
+
 def _export_gguf(gguf: Path, target: Path) -> None:
     """De-quantise a GGUF file with transformers and save it (safetensors + tokenizer) to ``target``."""
-    import psutil
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     log.info("exporting %s to %s (once; later loads use the cache)", gguf.name, target)
@@ -212,8 +220,7 @@ def _export_gguf(gguf: Path, target: Path) -> None:
         del model.config.quantization_config
     tmp = target.with_name(f"{target.name}.{os.getpid()}.tmp")  # per process: two first loads may race
     for left in target.parent.glob(f"{target.name}.*.tmp"):  # an export a stop cut short (its process is gone)
-        pid = left.name.rsplit(".", 2)[-2]
-        if left == tmp or not (pid.isdigit() and psutil.pid_exists(int(pid))):
+        if left == tmp or left_by_a_dead_process(left):
             shutil.rmtree(left, ignore_errors=True)
     model.save_pretrained(tmp, safe_serialization=True)
     tokenizer.save_pretrained(tmp)

@@ -33,7 +33,7 @@ from pathlib import Path
 
 import torch
 
-from .model_zoo import cache_root
+from .model_zoo import cache_root, left_by_a_dead_process
 
 log = logging.getLogger(__name__)
 
@@ -72,11 +72,11 @@ def _untie_output(base) -> bool:
 
 
 def _tensors(base) -> dict[str, torch.Tensor]:
-    """Every parameter and persistent buffer of ``base`` by its state-dict name (a tied output embedding already has
-    its own parameter, ``store_linear_weights_bf16``)."""
+    """Every parameter and persistent buffer of ``base`` (the objects, not their data) by its state-dict name; a tied
+    output embedding is listed once, under the input embedding's name."""
     state_names = set(base.state_dict(keep_vars=True))
-    out = {name: p.data for name, p in base.named_parameters()}
-    out.update({name: b.data for name, b in base.named_buffers() if name in state_names})
+    out = dict(base.named_parameters())
+    out.update({name: b for name, b in base.named_buffers() if name in state_names})
     return out
 
 
@@ -92,7 +92,7 @@ def write_copy(base, path: str | Path, folder: str | Path = "") -> None:
 
     path = Path(path)
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    tensors = {name: t.contiguous() for name, t in _tensors(base).items()}
+    tensors = {name: t.data.contiguous() for name, t in _tensors(base).items()}
     try:
         save_file(tensors, str(tmp), metadata={"fedspear_format": str(FORMAT), "kind": KIND, "folder": str(folder)})
         with open(tmp, "rb") as fh:
@@ -105,11 +105,8 @@ def write_copy(base, path: str | Path, folder: str | Path = "") -> None:
 
 def _remove_stale(path: Path) -> None:
     """Remove what writers of ``path`` that are gone left behind (``.<name>.<pid>.tmp``); the caller holds the lock."""
-    import psutil
-
     for left in path.parent.glob(f".{path.name}.*.tmp"):
-        pid = left.name.rsplit(".", 2)[-2]
-        if not (pid.isdigit() and psutil.pid_exists(int(pid))):
+        if left_by_a_dead_process(left):
             left.unlink(missing_ok=True)
 
 
@@ -146,9 +143,7 @@ def map_copy(base, path: str | Path) -> int:
     """
     from safetensors import safe_open
 
-    targets = {name: p for name, p in base.named_parameters()}
-    state_names = set(base.state_dict(keep_vars=True))
-    targets.update({name: b for name, b in base.named_buffers() if name in state_names})
+    targets = _tensors(base)
     out, inp = base.get_output_embeddings(), base.get_input_embeddings()
     tied = out is not None and inp is not None and out.weight is inp.weight
     expected = {name: (tuple(t.shape), _converted_dtype(base, name, t)) for name, t in targets.items()}
@@ -166,8 +161,7 @@ def map_copy(base, path: str | Path) -> int:
                          f"{expected[wrong[0]][0]} {expected[wrong[0]][1]})")
     if tied:
         _untie_output(base)
-        targets = {name: p for name, p in base.named_parameters()}
-        targets.update({name: b for name, b in base.named_buffers() if name in state_names})
+        targets = _tensors(base)
     for name, tensor in mapped.items():
         targets[name].data = tensor
     return len(mapped)

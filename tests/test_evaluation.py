@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 from helpers import with_random_adapter
 
@@ -116,3 +117,30 @@ def test_prefix_cache_logits_equal_a_plain_forward_per_item(tiny, arc_items):
         for batch_size in (1, 3):
             got = next_token_logits(model, tok, contexts, batch_size=batch_size, reuse_prefix=reuse)
             torch.testing.assert_close(got, ref, atol=1e-4, rtol=1e-4)
+
+
+def test_wilson_interval_by_hand_and_always_holds_the_proportion():
+    """The 95% Wilson interval (z = 1.959964): 1/4 → (0.0456, 0.6994) and 4/4 → (0.5101, 1) as in the usual tables;
+    for every n ≤ 300 and every count the interval holds correct / n — in floats the formula's upper bound at 4/4 is
+    0.9999999999999999, which once gave a negative error bar and failed a run at its plot (CI, 2026-11-27)."""
+    from fedspear.evaluation import wilson_interval
+
+    assert wilson_interval(1, 4) == pytest.approx((0.045587, 0.699358), abs=1e-6)
+    assert wilson_interval(4, 4) == (pytest.approx(0.510109, abs=1e-6), 1.0)
+    assert wilson_interval(0, 4) == (0.0, pytest.approx(0.489891, abs=1e-6))
+    assert wilson_interval(0, 0) == (0.0, 1.0)
+    for n in range(1, 301):
+        for correct in range(n + 1):
+            low, high = wilson_interval(correct, n)
+            assert 0.0 <= low <= correct / n <= high <= 1.0, (correct, n)
+
+
+def test_accuracy_plot_draws_a_bound_a_hair_inside_the_proportion(tmp_path):
+    """A run recorded before the interval was held at p (acc 1.0, high 0.9999999999999999) still gets its plots."""
+    from fedspear.report import plot_run
+
+    ev = {"acc_gen": 1.0, "acc_gen_low": 0.51, "acc_gen_high": 0.9999999999999999,
+          "acc_ll": 0.0, "acc_ll_low": 1e-17, "acc_ll_high": 0.49}
+    later = {"round": 1, "eval": ev, "wins": 4, "losses": 0, "revisions_successful": 0, "wall_clock": 60.0}
+    written = plot_run(tmp_path, [{"round": 0, "eval": ev, "wall_clock": 30.0}, later])
+    assert (tmp_path / "plots" / "accuracy.png") in written and (tmp_path / "plots" / "accuracy.png").stat().st_size > 0

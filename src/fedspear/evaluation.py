@@ -35,14 +35,18 @@ if TYPE_CHECKING:
 
 
 def wilson_interval(correct: int, n: int, z: float = 1.959964) -> tuple[float, float]:
-    """95% Wilson score interval for a binomial proportion ``correct / n`` → ``(low, high)``; (0, 1) when n = 0."""
+    """95% Wilson score interval for a binomial proportion ``correct / n`` → ``(low, high)``; (0, 1) when n = 0.
+
+    The interval always holds ``correct / n``: at p = 0 and p = 1 the formula's bound equals p exactly, but in floats
+    it can land a hair inside (e.g. 4/4 → high 0.9999999999999999), which made a plot's error bar negative.
+    """
     if n == 0:
         return 0.0, 1.0
     p = correct / n
     denom = 1 + z * z / n
     centre = (p + z * z / (2 * n)) / denom
     half = z * math.sqrt(p * (1 - p) / n + z * z / (4 * n * n)) / denom
-    return max(0.0, centre - half), min(1.0, centre + half)
+    return min(p, max(0.0, centre - half)), max(p, min(1.0, centre + half))
 
 
 ANSWER_CUE = "Answer:"

@@ -109,8 +109,9 @@ def plot_run(path: Path, records: Sequence[dict]) -> list[Path]:
         if pts:
             xs = [t for t, _ in pts]
             ys = [e[key] for _, e in pts]
-            lo = [e[key] - e[key + "_low"] for _, e in pts]
-            hi = [e[key + "_high"] - e[key] for _, e in pts]
+            # ≥ 0: records written before wilson_interval held p at its ends can have a bound a hair inside it
+            lo = [max(0.0, e[key] - e[key + "_low"]) for _, e in pts]
+            hi = [max(0.0, e[key + "_high"] - e[key]) for _, e in pts]
             ax.errorbar(xs, ys, yerr=[lo, hi], marker="o", capsize=3, label=label)
     ax.xaxis.set_major_locator(MaxNLocator(integer=True))
     ax.set_xlabel("round")

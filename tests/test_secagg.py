@@ -21,7 +21,9 @@ from flwr.app import ConfigRecord, Message
 
 from fedspear.config import ConfigError, RunConfig
 from fedspear.fl.records import LAYOUT_KEY, layout_of
+from fedspear.fl import client_app, secagg
 from fedspear.fl.secagg import LoopbackGrid, SecureRounds, error_bound, make_client_app, threshold
+from fedspear.fl.server_app import discover_partitions
 from fedspear.fl.strategy import WinWeightedFedAvg
 from fedspear.server.aggregation import win_weighted_average
 
@@ -65,15 +67,20 @@ def _run(cfg: RunConfig, adapters: list[dict], weights: list[int], theta: dict, 
                  "partition-id": pid})
 
     nodes = [101 + 7 * i for i in range(len(adapters))]
-    grid = LoopbackGrid(make_client_app(train), nodes, silent)
+    # the ClientApp a node runs (deployed or simulated), its SecAgg+ stages served by a legacy app around ``train``
+    grid = LoopbackGrid(client_app.app, nodes, silent)
     core = WinWeightedFedAvg(cfg.clients_per_round, cfg.num_clients, seed=cfg.seed, server_opt=server_opt,
                              server_lr=1e-2)
     secure = SecureRounds(core, cfg, grid)
-    core.partition_of = secure.discover_partitions(timeout=1)
     config = ConfigRecord({"lr": 1e-3, "fedspear-config": json.dumps(cfg.to_dict()), LAYOUT_KEY: layout_of(theta)})
-    replies, new, rejected, dropped = secure.round(server_round, theta, config)
+    legacy = make_client_app(train)
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(secagg, "client_app", legacy)
+        core.partition_of = discover_partitions(grid, len(nodes), timeout=1)
+        assert core.partition_of == {n: i for i, n in enumerate(nodes)}
+        replies, new, rejected, dropped = secure.round(server_round, theta, config)
     return SimpleNamespace(replies=replies, new=new, rejected=rejected, dropped=dropped, grid=grid, core=core,
-                           secure=secure, node_of={i: n for i, n in enumerate(nodes)})
+                           secure=secure, legacy=legacy, node_of={i: n for i, n in enumerate(nodes)})
 
 
 def _max_error(new: dict, expected: dict) -> float:
@@ -116,7 +123,7 @@ def test_the_server_receives_no_plain_update_and_the_mean_is_win_weighted_fedavg
     stage2 = [m for m in out.grid.received if "fitres.metrics" in m.content.config_records]
     assert len(stage2) == 4 and all(len(r) == 0 for m in stage2 for r in m.content.array_records.values())
     assert out.secure.record()["secagg"] == {"sampled": 4, "threshold": 3, "uploaded": 4, "weight_total": 9,
-                                             "error_bound": bound}
+                                             "error_bound": bound, "array_values_received": 0}
     assert sorted(r.metrics["partition-id"] for r in out.replies) == [0, 1, 2, 3]
 
 
@@ -127,7 +134,9 @@ def test_a_second_round_on_the_same_nodes_runs_again():
     adapters, weights = _clients(theta, 4), [3, 1, 5, 1]
     out = _run(cfg, adapters, weights, theta)
     config = ConfigRecord({"lr": 1e-3, "fedspear-config": json.dumps(cfg.to_dict()), LAYOUT_KEY: layout_of(theta)})
-    replies, new, rejected, _ = out.secure.round(2, theta, config)
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(secagg, "client_app", out.legacy)
+        replies, new, rejected, _ = out.secure.round(2, theta, config)
     expected, _ = win_weighted_average(theta, adapters, weights)
     assert rejected == {} and _max_error(new, expected) <= error_bound(cfg, 4, 10) + 1e-8
 
@@ -229,7 +238,8 @@ def test_settings_secaggplus_cannot_serve_are_refused(kw, words):
 @pytest.mark.slow
 def test_a_tiny_secaggplus_run_through_the_simulation_engine(tmp_path):
     """Two rounds of GRPO (weight = prompts, so every client weighs 2) on the tiny model, 3 of 3 clients, through
-    Flower's simulation engine with the legacy ClientApp: both rounds run all four SecAgg+ stages (the second on
+    Flower's simulation engine with fedspear's ClientApp (its train handler passing the stages to the legacy
+    one): both rounds run all four SecAgg+ stages (the second on
     nodes that kept their SecAgg+ state) and aggregate 3 uploads; no record carries a per-client update norm."""
     out = tmp_path / "run"
     cmd = [FEDSPEAR, "run", "--model", "tiny-random", "--rounds", "2", "--clients", "3", "--clients-per-round", "3",
@@ -245,4 +255,5 @@ def test_a_tiny_secaggplus_run_through_the_simulation_engine(tmp_path):
     assert [r["round"] for r in records] == [0, 1, 2]
     for r in records[1:]:
         assert r["secagg"]["uploaded"] == 3 and r["secagg"]["threshold"] == 2 and r["aggregated"]
+        assert r["secagg"]["array_values_received"] == 0
         assert r["clients_ok"] == 3 and all("update_norm" not in c for c in r["clients"])

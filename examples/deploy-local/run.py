@@ -19,7 +19,9 @@ What it does, in order (every process it starts gets its own log under ``<output
 
 Exit code 0 only when the run completed every round, the intruder was refused and nothing is left running.
 ``--no-worker`` leaves the node workers out, so each fresh ClientApp process loads the model itself (to measure
-what the worker saves).
+what the worker saves). ``--secure-aggregation`` runs every round through Flower's SecAgg+ (``fedspear.fl.secagg``):
+three SuperNodes (``--nodes``, SecAgg+ needs at least 3), each round's four stages through the SuperLink, the server
+seeing only the masked sum; ``summary.json`` then holds each round's ``secagg`` record.
 """
 
 from __future__ import annotations
@@ -49,7 +51,6 @@ from fedspear.report import epsilon_text
 
 REPO = Path(__file__).resolve().parents[2]
 BIN = Path(sys.executable).parent  # flower-superlink, flower-supernode, flwr live beside this Python
-NODES = ("node-0", "node-1")
 CONNECTION = "deploy-local"
 TAG_VAR = "FEDSPEAR_DEPLOY_TAG"  # set in every process started here, to find strays by PID at the end
 
@@ -203,6 +204,7 @@ def write_run_settings(path: Path, args: argparse.Namespace) -> None:
         *([f"max_new_tokens = {args.max_new_tokens}"] if args.max_new_tokens else []),
         *([f'dp = "{args.dp}"', f"dp_noise_multiplier = {args.dp_noise_multiplier}",
            f"dp_clip_norm = {args.dp_clip_norm}"] if args.dp != "off" else []),
+        *(['secure_aggregation = "secaggplus"'] if args.secure_aggregation else []),
         *(f"{key} = {toml_value(value)}" for key, value in args.set),
     ]) + "\n")
 
@@ -259,7 +261,8 @@ def summarise(records: list[dict]) -> list[dict]:
             last_loads[pid] = (worker, loads)
         rounds.append({"round": r["round"], "seconds": r["seconds"]["round"], "clients_ok": r["clients_ok"],
                        "acc_gen": (r.get("eval") or {}).get("acc_gen"), "nodes": nodes,
-                       **({k: r[k] for k in ("dp_epsilon", "dp_releases")} if "dp_releases" in r else {})})
+                       **({k: r[k] for k in ("dp_epsilon", "dp_releases")} if "dp_releases" in r else {}),
+                       **({"secagg": r["secagg"]} if "secagg" in r else {})})
     return rounds
 
 
@@ -267,7 +270,8 @@ def deploy(args: argparse.Namespace, procs: Processes, out: Path, summary: dict)
     """Steps 1–7 of the module docstring; fills ``summary`` as it goes. Raises RuntimeError on any failure."""
     certs = out / "certs"
     paths = make_server_certificates(certs)
-    keys = {name: make_node_keys(certs, name) for name in (*NODES, "intruder")}
+    nodes = [f"node-{k}" for k in range(args.nodes)]
+    keys = {name: make_node_keys(certs, name) for name in (*nodes, "intruder")}
     link_port = free_port()
     link_home, cli_home = out / "superlink", out / "cli"
     for home in (link_home, cli_home):
@@ -285,15 +289,15 @@ def deploy(args: argparse.Namespace, procs: Processes, out: Path, summary: dict)
         f'root-certificates = "{paths.ca_cert}"\n')
     summary["superlink"] = f"127.0.0.1:{link_port}"
     summary["registered"] = {name: flwr(procs, cli_home, "supernode", "register", str(keys[name].public_key),
-                                        CONNECTION)["node-id"] for name in NODES}
+                                        CONNECTION)["node-id"] for name in nodes}
     print(f"SuperLink on 127.0.0.1:{link_port} (TLS, SuperNode auth); registered {summary['registered']}", flush=True)
 
     # the nodes share this machine's cores (on real machines each has its own): split them, not oversubscribe
-    threads = max(1, (os.cpu_count() or 1) // len(NODES))
-    for k, name in enumerate(NODES):
+    threads = max(1, (os.cpu_count() or 1) // len(nodes))
+    for k, name in enumerate(nodes):
         home = out / name
         home.mkdir(exist_ok=True)
-        node_config = f"partition-id={k} num-partitions={len(NODES)}"
+        node_config = f"partition-id={k} num-partitions={len(nodes)}"
         if not args.no_worker:
             address, key = f"127.0.0.1:{free_port()}", home / "worker.key"
             worker = procs.start(f"{name}-worker", [sys.executable, "-m", "fedspear.cli", "node-worker",
@@ -313,7 +317,8 @@ def deploy(args: argparse.Namespace, procs: Processes, out: Path, summary: dict)
     intruder = procs.start("intruder", [
         str(BIN / "flower-supernode"), "--superlink", f"127.0.0.1:{link_port}",
         "--root-certificates", str(paths.ca_cert), "--auth-supernode-private-key", str(keys["intruder"].private_key),
-        "--node-config", "partition-id=1 num-partitions=2", "--host", "127.0.0.1", "--port", str(free_port()),
+        "--node-config", f"partition-id=1 num-partitions={len(nodes)}", "--host", "127.0.0.1",
+        "--port", str(free_port()),
         "--max-retries", "2", "--max-wait-time", "60"], env={"FLWR_HOME": str(out / "intruder")})
     try:
         code = intruder.wait(timeout=180)
@@ -336,8 +341,8 @@ def deploy(args: argparse.Namespace, procs: Processes, out: Path, summary: dict)
     run_dir = out / "run"
     settings = out / "run-settings.toml"
     write_run_settings(settings, args)
-    run_config = (f'run-dir="{run_dir}" config-file="{settings}" num-clients={len(NODES)} '
-                  f"clients-per-round={len(NODES)} rounds={args.rounds} rollouts-per-round={args.rollouts_per_round} "
+    run_config = (f'run-dir="{run_dir}" config-file="{settings}" num-clients={len(nodes)} '
+                  f"clients-per-round={len(nodes)} rounds={args.rounds} rollouts-per-round={args.rollouts_per_round} "
                   f"eval-size={args.eval_size}")
     started = time.monotonic()
     run_id = int(flwr(procs, cli_home, "run", str(REPO), CONNECTION, "--run-config", run_config)["run-id"])
@@ -415,14 +420,24 @@ def main() -> int:
                              "server = the ServerApp clips; Gaussian noise on the average either way")
     parser.add_argument("--dp-noise-multiplier", type=float, default=1.0, help="DP noise multiplier z")
     parser.add_argument("--dp-clip-norm", type=float, default=1.0, help="DP clipping norm C")
+    parser.add_argument("--secure-aggregation", action="store_true",
+                        help="Flower's SecAgg+: the server sees only the masked sum of the updates (needs ≥ 3 nodes)")
+    parser.add_argument("--nodes", type=int, default=None,
+                        help="registered SuperNodes, each a client sampled every round (default 2; 3 with "
+                             "--secure-aggregation)")
     parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", type=key_value,
                         help="any other run setting (as `fedspear run --set`), e.g. user_flip_prob=0.2; repeatable")
     args = parser.parse_args()
 
-    try:  # a bad --set stops here, before any process starts
-        RunConfig(**{key: tomllib.loads(f"v = {toml_value(value)}")["v"] for key, value in args.set})
+    args.nodes = args.nodes if args.nodes is not None else (3 if args.secure_aggregation else 2)
+    try:  # bad settings stop here, before any process starts
+        if args.nodes < 1:
+            raise ConfigError(f"--nodes must be at least 1, got {args.nodes}")
+        chosen = {"num_clients": args.nodes, "clients_per_round": args.nodes, "dp": args.dp,
+                  **({"secure_aggregation": "secaggplus"} if args.secure_aggregation else {})}
+        RunConfig(**{**chosen, **{key: tomllib.loads(f"v = {toml_value(value)}")["v"] for key, value in args.set}})
     except (TypeError, ConfigError) as err:
-        print(f"error: --set: {err}", file=sys.stderr)
+        print(f"error: {err}", file=sys.stderr)
         return 2
     out = Path(args.output_dir).resolve()
     if (out / "run" / "metrics.jsonl").exists():
@@ -470,7 +485,9 @@ def print_summary(s: dict) -> None:
     for r in s.get("rounds", []):
         loads = ", ".join(f"node {k}: {v.get('model_loads_this_round', v.get('error'))}" for k, v in r["nodes"].items())
         eps = f", ε {epsilon_text(r)}" if "dp_releases" in r else ""
-        print(f"  round {r['round']}: {r['seconds']:.1f} s, accuracy {r['acc_gen']}{eps}, "
+        secure = (f", SecAgg+ {r['secagg']['uploaded']} of {r['secagg']['sampled']} in the mean "
+                  f"(t = {r['secagg']['threshold']})" if "secagg" in r else "")
+        print(f"  round {r['round']}: {r['seconds']:.1f} s, accuracy {r['acc_gen']}{eps}{secure}, "
               f"model loads this round: {loads}")
     if "worker_loads" in s:
         print(f"  node workers at the end: {s['worker_loads']}")

@@ -12,6 +12,12 @@ same single Array. Under ``dp = "client"`` Flower's ``fixedclipping_mod`` clips 
 (``fedspear.fl.privacy.dp_clipping_mod``, on the train handler only); after it, ``encode_update_mod`` sends the update
 in the encoding the server asked for (``update_encoding``, ``fedspear.fl.records``).
 
+Under ``secure_aggregation = "secaggplus"`` the server's rounds are the four stages of Flower's SecAgg+ workflow, sent
+as train messages that carry Flower's ``secaggplus_configs`` record; the train handler hands those to SecAgg+'s legacy
+ClientApp (``fedspear.fl.secagg.client_app``, with ``secaggplus_mod``), which runs the same client round. One
+ClientApp thus serves both, in the simulation and in a deployment (`flwr run` starts the ClientApp pyproject.toml
+names; a Flower app names one).
+
 A node started with ``--node-config "partition-id=K trace-db=/path/traces.db"`` is a *human* node: instead of the
 dataset oracle it trains on the conversations people had in ``fedspear chat`` (``fedspear.human.replay``), which stay in
 that SQLite file on the node.
@@ -30,6 +36,7 @@ import numpy as np
 
 from flwr.app import Context, Message, MetricRecord, RecordDict
 from flwr.clientapp import ClientApp
+from flwr.common.secure_aggregation.secaggplus_constants import RECORD_KEY_CONFIGS as SECAGG_RECORD
 
 from fedspear.worker import Worker
 from fedspear.config import RunConfig
@@ -66,6 +73,10 @@ def train(msg: Message, context: Context) -> Message:
             ones.
         ConnectionError / RuntimeError: the node worker is not running or failed (the server drops this client).
     """
+    if SECAGG_RECORD in msg.content.config_records:  # a SecAgg+ stage (module docstring); no "config" record, so
+        from fedspear.fl import secagg  # the mods above pass it through untouched
+
+        return secagg.client_app(msg, context)
     config = msg.content["config"]
     cfg = RunConfig(**json.loads(str(config["fedspear-config"])))
     node = NodeSettings.from_node_config(context.node_config, cfg.num_clients)

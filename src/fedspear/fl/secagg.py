@@ -92,8 +92,13 @@ a round. fedspear's fixed-denominator DP mean could be had from SecAgg+ (weights
 the server rescales the mean by n₊/m with n₊ the clients with a win), but that is fedspear's own estimator and
 accounting, not Flower's wrapper, and is not built; ``config.py`` refuses the combination with this reason.
 
-The deployment example (``examples/deploy-local``) does not run SecAgg+ yet: ``flwr run`` starts the ClientApp named
-in pyproject.toml, the Message-API one, and a ClientApp cannot serve both ``client_fn`` and ``@app.train``.
+**Decision (one ClientApp).** ``flwr run`` starts the one ClientApp pyproject.toml names, and a Flower ClientApp
+cannot have both a ``client_fn`` and ``@app.train``. So the Message-API ClientApp (``fedspear.fl.client_app``) stays
+the app: its train handler hands every message that carries Flower's ``secaggplus_configs`` record (each of the four
+stages does) to ``client_app`` below, with the node's Context, whose state keeps ``secaggplus_mod``'s keys and
+shares between stages (a SuperNode keeps a run's Context across its ClientApp processes). Partition ids come from
+the Message-API ``query`` handler (``fedspear.fl.server_app.discover_partitions``), as without SecAgg+. The same
+app runs in the simulation and in ``examples/deploy-local --secure-aggregation`` (three SuperNodes over TLS).
 """
 
 from __future__ import annotations
@@ -113,13 +118,11 @@ from flwr.client.mod import secaggplus_mod
 from flwr.common import (
     FitIns,
     FitRes,
-    GetPropertiesIns,
     Parameters,
     Scalar,
     ndarrays_to_parameters,
     parameters_to_ndarrays,
 )
-from flwr.common.constant import MessageTypeLegacy
 from flwr.compat.common import recorddict_compat as compat
 from flwr.server import ServerConfig
 from flwr.server.client_manager import ClientManager, SimpleClientManager
@@ -234,13 +237,10 @@ def _worker_round(cfg: RunConfig, context: Context, global_arrays: dict[str, np.
 
 class SpearClient(NumPyClient):
     """The legacy client: ``fit`` runs one client round and returns Δ_k with its weight for ``secaggplus_mod`` to
-    mask; ``get_properties`` tells the server this node's partition id."""
+    mask (the server learns each node's partition id from the Message-API ``query`` handler, as without SecAgg+)."""
 
     def __init__(self, context: Context, train: TrainFn):
         self.context, self.train = context, train
-
-    def get_properties(self, config: dict[str, Scalar]) -> dict[str, Scalar]:
-        return {"partition-id": int(self.context.node_config.get("partition-id", -1))}
 
     def fit(self, parameters: list[np.ndarray], config: dict[str, Scalar]) -> tuple[list[np.ndarray], int, dict]:
         """θ^(t) (one flat Array, decoded with the config's layout) → train → ``([Δ_k], w_k, metrics)``.
@@ -434,28 +434,11 @@ class SecureRounds:
 
     def record(self) -> dict:
         """The ``secagg`` entry of the last round's record: clients sampled, threshold t, clients in the mean, their
-        total weight, and the worst-case quantisation error per value of the mean update (``error_bound``)."""
+        total weight, the worst-case quantisation error per value of the mean update (``error_bound``), and
+        ``array_values_received``: how many values the clients' replies carried in ArrayRecords over the four stages
+        — 0, since the masked vectors travel as ``secaggplus_mod``'s bytes and the stage-3 FitRes holds no
+        parameters; a plain adapter arriving as Arrays would show here."""
         return {"secagg": dict(self.last)}
-
-    def discover_partitions(self, timeout: float = 120.0) -> dict[int, int]:
-        """{node id: partition id} from each node's ``get_properties`` (the legacy ClientApp has no query handler;
-        ``fedspear.fl.server_app.discover_partitions`` does the same with query messages)."""
-        import time
-
-        deadline = time.monotonic() + timeout
-        while len(list(self.grid.get_node_ids())) < self.cfg.num_clients and time.monotonic() < deadline:
-            time.sleep(0.5)
-        content = compat.getpropertiesins_to_recorddict(GetPropertiesIns({}))
-        messages = [Message(content=content, dst_node_id=node, message_type=MessageTypeLegacy.GET_PROPERTIES)
-                    for node in self.grid.get_node_ids()]
-        mapping = {}
-        for reply in self.grid.send_and_receive(messages, timeout=timeout):
-            if not reply.has_error():
-                pid = int(compat.recorddict_to_getpropertiesres(reply.content).properties["partition-id"])
-                if pid >= 0:
-                    mapping[reply.metadata.src_node_id] = pid
-        self.grid.exchanges.clear()
-        return mapping
 
     def round(self, server_round: int, arrays: dict[str, np.ndarray], config: ConfigRecord
               ) -> tuple[list, dict[str, np.ndarray] | None, dict[int, str], set[int]]:
@@ -534,15 +517,19 @@ class SecureRounds:
         result = strategy.result if strategy.called and not strategy.aggregate_error else None
         total = sum(w for _, w in strategy.uploaded)
         bound = error_bound(self.cfg, len(strategy.uploaded), total)
+        arrays = [array for _, got in exchanges for msg in got if not msg.has_error()
+                  for record in msg.content.array_records.values() for array in record.values()]
         self.last = {"sampled": len(sampled), "threshold": threshold(self.cfg, len(sampled)),
                      "uploaded": len(strategy.uploaded), "weight_total": total,
-                     "error_bound": bound if math.isfinite(bound) else None}
+                     "error_bound": bound if math.isfinite(bound) else None,
+                     "array_values_received": sum(int(np.prod(array.shape)) for array in arrays)}
         return replies, result, rejected, dropped
 
 
 class LoopbackGrid:
     """A Grid in one process, for tests and ``docs/results/secagg/measure.py``: each message is handed, as a deep
-    copy (nothing shared with the server, as on the wire), to ``app`` with the destination node's own Context
+    copy (nothing shared with the server, as on the wire), to ``app`` (``fedspear.fl.client_app.app`` in the tests,
+    whose train handler passes SecAgg+'s stages to ``client_app``) with the destination node's own Context
     (``partition-id`` = its index in ``nodes``; the Context's state persists, as on a SuperNode), and the replies
     come back. A client that raises gets the error reply Flower's ClientApp runner would send. ``silent`` =
     {node: call index} makes a node send no reply from that ``send_and_receive`` call on (a node that disconnected;

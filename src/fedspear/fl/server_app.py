@@ -30,7 +30,7 @@ from fedspear.arrays import layout_mismatch
 from fedspear.runtime.memory import peak_rss_mb, release_memory, tree_peak
 from fedspear.runtime.model import model_device
 from fedspear.tasks import load_train_examples
-from fedspear.config import ConfigError, RunConfig, load_config, snake_key
+from fedspear.config import RunConfig, load_config, snake_key
 from fedspear.evaluation import Evaluator
 from fedspear.fl.partition import dirichlet_partitions, partition_summary
 from fedspear.fl.privacy import STATE_FILE, PrivateRounds, reply_norm_bound
@@ -366,7 +366,7 @@ def run_server(grid: Grid, cfg: RunConfig, on_round: Callable[[dict], None] | No
             if last:
                 _resume_ledger(private, run, last, records[-1])
             _count_unrecorded_release(private, run, last)
-        strategy.partition_of = secure.discover_partitions() if secure else discover_partitions(grid, cfg.num_clients)
+        strategy.partition_of = discover_partitions(grid, cfg.num_clients)
         payload = json.dumps(cfg.to_dict())
         streak = 0  # consecutive empty rounds before this one (tolerated ones are recorded with empty: true)
         for r in reversed(records):
@@ -484,9 +484,6 @@ def main(grid: Grid, context: Context) -> None:
     overrides = {snake_key(k): v for k, v in run_config.items()}
     overrides["output_dir"] = overrides.pop("run_dir", None)
     cfg = load_config(config_file, **overrides)
-    if cfg.secure_aggregation != "off":  # the deployed ClientApp is the Message-API one (fedspear.fl.secagg)
-        raise ConfigError("secure_aggregation = \"secaggplus\" runs with `fedspear run` (simulation) only: the "
-                          "ClientApp `flwr run` deploys (pyproject.toml) is not SecAgg+'s legacy ClientApp")
     # Flower streams this process's stdout to `flwr run --stream` / `flwr log`: one line per round, as `fedspear run`
     records = run_server(grid, cfg, on_round=lambda record: print(round_text(record), flush=True))
     last = next((r for r in reversed(records) if r.get("eval")), None)

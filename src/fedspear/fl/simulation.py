@@ -148,9 +148,7 @@ def simulate(cfg: RunConfig, on_round: Callable[[dict], None] | None = None, ver
 
     import torch
 
-    from fedspear.fl.client_app import app as client_app
-    if cfg.secure_aggregation != "off":  # Flower's legacy ClientApp with secaggplus_mod (fedspear.fl.secagg)
-        from fedspear.fl.secagg import client_app
+    from fedspear.fl.client_app import app as client_app  # serves SecAgg+'s stages too (fedspear.fl.secagg)
     from fedspear.fl.server_app import run_server
     from fedspear.runtime.model import resolve_device
 

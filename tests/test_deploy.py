@@ -406,3 +406,47 @@ def test_deploy_local_example_stops_on_ctrl_c(tmp_path):
         except (OSError, psutil.Error):
             continue
     assert left == [] and _processes_mentioning(out) == []
+
+
+def _example_module():
+    """``examples/deploy-local/run.py`` imported as a module (its functions, without running a deployment)."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("deploy_local_run", REPO / "examples" / "deploy-local" / "run.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_deploy_local_settings_are_what_the_server_app_will_build(tmp_path, monkeypatch, capsys):
+    """The example's settings file plus its run config, merged as the ServerApp merges them (``load_config``: the
+    run config wins), give the options' values with ``--set`` over them; what the ServerApp would refuse is refused
+    before any process starts (exit 2, nothing written): a run-config key in ``--set``, an unknown key (with the
+    near one), SecAgg+ on 2 nodes whatever ``--set`` says."""
+    from fedspear.config import ConfigError, load_config
+
+    run = _example_module()
+    parse = lambda *argv: run.argparse.Namespace(  # noqa: E731 - the parsed options main() passes on
+        model="tiny-random", local_steps=1, batch_size=2, train_size=20, seed=0, timeout=600.0, max_new_tokens=0,
+        dp="off", dp_noise_multiplier=1.0, dp_clip_norm=1.0, secure_aggregation=True, nodes=3, rounds=2,
+        rollouts_per_round=2, eval_size=4, set=[run.key_value(a) for a in argv])
+    args = parse("secagg_clipping_range=0.05", "local_steps=3", "user_flip_prob=1.0")
+    path = tmp_path / "run-settings.toml"
+    run.write_run_settings(path, run.run_settings(args))
+    values = run.run_config_values(args)
+    cfg = load_config(str(path), **values)
+    assert (cfg.secure_aggregation, cfg.secagg_clipping_range, cfg.local_steps, cfg.user_flip_prob) == (
+        "secaggplus", 0.05, 3, 1.0)
+    assert (cfg.num_clients, cfg.clients_per_round, cfg.rounds, cfg.round_timeout) == (3, 3, 2, 600.0)
+    with pytest.raises(ConfigError, match="--set clients_per_round: set it with --nodes"):
+        run.run_settings(parse("clients_per_round=3"))
+    with pytest.raises(ConfigError, match=r"unknown config key 'learning_rate' \(did you mean 'lr'\?\)"):
+        run.run_settings(parse("learning_rate=0.1"))
+
+    out = tmp_path / "never"
+    for argv, words in ((["--nodes", "2", "--secure-aggregation"], "needs clients_per_round ≥ 3"),
+                        (["--set", "num_clients=3"], "set it with --nodes"),
+                        (["--secure-aggregation", "--dp", "client"], "is not supported")):
+        monkeypatch.setattr(sys, "argv", ["run.py", "--output-dir", str(out), *argv])
+        assert run.main() == 2
+        assert words in capsys.readouterr().err and not out.exists()

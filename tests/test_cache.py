@@ -99,3 +99,76 @@ def test_models_clean_removes_only_what_this_install_cannot_reach(cache):
     assert all(p.with_name(p.name + ".lock").exists() for p in keep if p.suffix == ".safetensors")
     again = runner.invoke(app, ["models", "clean"])
     assert again.exit_code == 0 and "nothing to remove" in again.output
+
+
+@pytest.fixture
+def split_model(tmp_path, monkeypatch):
+    """A split model of two 1 KiB parts in a cache at a path reached through a symlink; ``installed`` toggles whether
+    its parts are there (``model_zoo.split_part_paths``)."""
+    real = tmp_path / "real-cache"
+    real.mkdir()
+    (tmp_path / "link").symlink_to(real)
+    monkeypatch.setenv("FEDSPEAR_CACHE", str(tmp_path / "link"))
+    monkeypatch.setattr(model_zoo, "PACKAGED_MODELS", {})
+    monkeypatch.setattr(model_zoo, "SPLIT_MODELS", {"big": model_zoo.SplitModel(
+        package="big-part{i}", parts=2, version="1", chunk="part{i}.bin", filename="big.gguf", licence="x")})
+    import fedspear.runtime.cache as cache_module
+
+    monkeypatch.setattr(cache_module, "PACKAGED_MODELS", {})
+    monkeypatch.setattr(cache_module, "SPLIT_MODELS", model_zoo.SPLIT_MODELS)
+    parts = [_gguf(tmp_path / "site" / f"part{i}.bin", b"\1" * 1024) for i in (1, 2)]
+    state = {"installed": True}
+
+    def part_paths(name):
+        if not state["installed"]:
+            raise ModelError("parts not installed")
+        return parts
+
+    monkeypatch.setattr(model_zoo, "split_part_paths", part_paths)
+    return real, state
+
+
+def test_a_split_models_export_and_gguf_are_used_while_its_parts_are_installed(split_model):
+    """The export's name is known from the parts before the join (a missing joined GGUF does not orphan it); once the
+    parts are gone, the export, the joined GGUF and the weight copy of that export are all unused in one pass, also
+    when the cache is reached through a symlink (the copy names its folder's real path)."""
+    from fedspear.runtime.cache import cache_entries
+
+    real, state = split_model
+    export = export_path("big")
+    assert export.name.startswith("big-") and export.parent == real.parent / "link" / "models"
+    (real / "models" / export.name).mkdir(parents=True)
+    (real / "models" / export.name / "config.json").write_text("{}")
+    _copy(real / "shared" / f"{export.name}-a.safetensors", str((real / "models" / export.name).resolve()))
+    assert {e.kind: e.used for e in cache_entries()} == {"export": True, "weight copy": True}
+    _gguf(real / "gguf" / "big.gguf", b"\1" * 2048)
+    assert all(e.used for e in cache_entries())
+    state["installed"] = False
+    entries = cache_entries()
+    assert {e.kind for e in entries} == {"export", "joined GGUF", "weight copy"} and not any(e.used for e in entries)
+
+
+def test_clean_keeps_what_a_running_process_has_mapped_and_a_live_writers_temporary(cache, tmp_path):
+    """An unused weight copy that another process maps (a run of an older install) is kept, naming that process;
+    a temporary file whose writer is alive is kept; after the process ends the copy goes."""
+    import os
+    import subprocess
+    import sys
+
+    root, keep, drop = cache
+    mapped = drop[2]
+    live = root / "shared" / f".x.safetensors.{os.getpid()}.tmp"
+    live.write_bytes(b"\0" * 10)
+    reader = subprocess.Popen([sys.executable, "-c", (
+        "import mmap, sys; f = open(sys.argv[1], 'rb'); m = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ); "
+        "print('mapped', flush=True); sys.stdin.read()"), str(mapped)], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+        text=True)
+    try:
+        assert reader.stdout.readline().strip() == "mapped"
+        done = runner.invoke(app, ["models", "clean"])
+        assert done.exit_code == 0, done.output
+        assert f"kept: in use by process {reader.pid}" in done.output and "removed 4 entries" in done.output
+        assert mapped.exists() and live.exists() and all(p.exists() for p in keep)
+    finally:
+        reader.communicate("", timeout=30)
+    assert "removed 1 entries" in runner.invoke(app, ["models", "clean"]).output and not mapped.exists()

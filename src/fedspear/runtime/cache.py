@@ -3,33 +3,36 @@
 Three kinds of entries, all made on first use and never downloaded:
 
 - ``models/<model>-<digest>``: a packaged model's export (``fedspear.runtime.model_zoo.export_path``: SmolLM2-135M
-  ≈ 0.5 GiB, Qwen2.5-Coder-1.5B ≈ 6.7 GiB, fp32 safetensors);
+  ≈ 0.5 GiB, Qwen2.5-Coder-1.5B ≈ 6.6 GiB, fp32 safetensors);
 - ``gguf/<file>``: a split model's joined GGUF (Qwen2.5-Coder-1.5B: 1.04 GiB);
 - ``shared/<folder>-<digest>.safetensors``: a model folder's converted weights, mapped by every process of a run
   (``fedspear.runtime.shared_copy``; Qwen2.5-Coder-1.5B ≈ 3.7 GiB), with its ``.lock``.
 
 An entry is *not used by this install* when nothing this install loads can reach it: an export other than the one
-each installed packaged model resolves to (an older package or an older fedspear, whose exports were named by the
-GGUF's path), a joined GGUF of a model whose parts are gone, a weight copy of a folder that is gone or is such an
-export, and temporary files of writers that are gone. ``fedspear models clean`` removes those. Another fedspear
-install on the same machine may still use one: it exports or copies again what it needs (time, not data).
-Nothing here imports torch.
+each installed model resolves to (an older package, or SmolLM2 exported by an older fedspear, which named exports
+by the GGUF's path, one per environment), a split model's export and joined GGUF once its parts are uninstalled, a
+weight copy of a folder that is gone or is such an export (or that does not name its folder), and temporary files of
+writers that are gone. Such an entry is still *in use* while a running process has one of its files open or mapped
+(another fedspear install's run, say): ``fedspear models clean`` keeps it then, and removes the rest — a weight
+copy only while holding its lock, so no writer is between the lock and the rename. Another install re-creates what
+it needs on its next run (time, not data). Nothing here imports torch.
 """
 
 from __future__ import annotations
 
+import fcntl
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
 
-from .model_zoo import (PACKAGED_MODELS, SPLIT_MODELS, ModelError, cache_root, export_path, left_by_a_dead_process,
-                        packaged_gguf, split_part_paths)
+from .model_zoo import (PACKAGED_MODELS, SPLIT_MODELS, ModelError, cache_root, export_path, left_by_a_dead_process)
 
 
 @dataclass(frozen=True)
 class CacheEntry:
     """One file or folder of the cache: ``kind`` (export | joined GGUF | weight copy | temporary), its path, its
-    size in bytes (with a weight copy's lock file), whether this install uses it, and why not."""
+    size in bytes (a weight copy with its lock file), whether this install uses it, and why not (or which process
+    has it open when it is kept for that)."""
 
     kind: str
     path: Path
@@ -39,33 +42,50 @@ class CacheEntry:
 
 
 def _size(path: Path) -> int:
-    if path.is_file():
-        return path.stat().st_size
-    return sum(p.stat().st_size for p in path.rglob("*") if p.is_file())
-
-
-def current_exports() -> dict[Path, str]:
-    """{export folder: model} for every packaged model this install can load (its package or its parts, joined)."""
-    current = {}
-    for model in PACKAGED_MODELS:
+    """Bytes under ``path``; files that vanish while counted (a writer renaming its temporary) count 0."""
+    def one(p: Path) -> int:
         try:
-            current[export_path(model, packaged_gguf(model))] = model
+            return p.stat().st_size if p.is_file() else 0
+        except OSError:
+            return 0
+    return one(path) if not path.is_dir() else sum(one(p) for p in path.rglob("*"))
+
+
+def installed_models() -> dict[str, Path]:
+    """{model: its export folder (made or not)} for every packaged model this install can load: its package, or all
+    of a split model's parts (the joined GGUF need not exist yet)."""
+    current = {}
+    for model in (*PACKAGED_MODELS, *SPLIT_MODELS):
+        try:
+            current[model] = export_path(model).resolve()
         except (ModelError, OSError):
             continue
-    for model, split in SPLIT_MODELS.items():
-        joined = cache_root() / "gguf" / split.filename
-        if joined.is_file():
-            current[export_path(model, joined)] = model
     return current
 
 
+def open_paths() -> dict[Path, int]:
+    """{path: pid} of every file a running process of this user has open or mapped (psutil; processes it may not
+    read are skipped)."""
+    import psutil
+
+    found: dict[Path, int] = {}
+    for proc in psutil.process_iter(["pid"]):
+        try:
+            for item in [*proc.memory_maps(grouped=True), *proc.open_files()]:
+                if item.path.startswith("/"):
+                    found.setdefault(Path(item.path), proc.pid)
+        except (psutil.Error, OSError):
+            continue
+    return found
+
+
 def _copy_source(path: Path) -> str | None:
-    """The model folder a weight copy was made from (its safetensors metadata), or None when unreadable."""
+    """The model folder a weight copy was made from (its safetensors metadata), or None when unreadable or unnamed."""
     from safetensors import SafetensorError, safe_open
 
     try:
         with safe_open(str(path), framework="numpy") as fh:
-            return (fh.metadata() or {}).get("folder")
+            return (fh.metadata() or {}).get("folder") or None
     except (OSError, SafetensorError):
         return None
 
@@ -73,80 +93,98 @@ def _copy_source(path: Path) -> str | None:
 def cache_entries() -> list[CacheEntry]:
     """Every entry of the cache with its size and whether this install uses it (the module docstring): exports,
     joined GGUFs, weight copies, then temporary files, each sorted by path. An absent cache has none."""
-    root = cache_root()
-    current = current_exports()
+    root = cache_root().resolve()
+    installed = installed_models()
+    exports, ggufs, shared = root / "models", root / "gguf", root / "shared"
+    current = set(installed.values())
+    joined = {SPLIT_MODELS[m].filename for m in installed if m in SPLIT_MODELS}
     entries: list[CacheEntry] = []
-    exports = root / "models"
+    temporary: list[Path] = []
     for path in sorted(exports.iterdir()) if exports.is_dir() else []:
         if path.name.endswith(".tmp"):
-            entries.append(_temporary(path))
-        elif path in current:
-            entries.append(CacheEntry("export", path, _size(path), True))
+            temporary.append(path)
         else:
-            entries.append(CacheEntry("export", path, _size(path), False, "no installed package resolves to it"))
-    ggufs = root / "gguf"
-    installed = set()
-    for model, split in SPLIT_MODELS.items():
-        try:
-            split_part_paths(model)
-            installed.add(split.filename)
-        except ModelError:
-            continue
+            entries.append(CacheEntry("export", path, _size(path), path in current,
+                                      "" if path in current else "no installed model resolves to it"))
     for path in sorted(ggufs.iterdir()) if ggufs.is_dir() else []:
         if path.name.endswith(".tmp"):
-            entries.append(_temporary(path))
+            temporary.append(path)
         else:
-            entries.append(CacheEntry("joined GGUF", path, _size(path), path.name in installed,
-                                      "" if path.name in installed else "its model's parts are not installed"))
-    shared = root / "shared"
+            entries.append(CacheEntry("joined GGUF", path, _size(path), path.name in joined,
+                                      "" if path.name in joined else "its model's parts are not installed"))
     for path in sorted(shared.glob("*.safetensors")) if shared.is_dir() else []:
         lock = path.with_name(path.name + ".lock")
-        size = _size(path) + (_size(lock) if lock.exists() else 0)
         source = _copy_source(path)
-        if source is None:
-            why = "unreadable or made before copies named their folder"
-        elif not Path(source).is_dir():
+        folder = Path(source).resolve() if source else None
+        if folder is None:
+            why = "unreadable, or made before copies named their folder"
+        elif not folder.is_dir():
             why = f"its folder {source} is gone"
-        elif Path(source).parent == exports and Path(source) not in current:
-            why = "its folder is an export no installed package resolves to"
+        elif folder.parent == exports and folder not in current:
+            why = "its folder is an export no installed model resolves to"
         else:
             why = ""
-        entries.append(CacheEntry("weight copy", path, size, not why, why))
-    for path in sorted(shared.glob(".*.tmp")) if shared.is_dir() else []:
-        entries.append(_temporary(path))
-    return entries
+        entries.append(CacheEntry("weight copy", path, _size(path) + _size(lock), not why, why))
+    temporary += sorted(shared.glob(".*.tmp")) if shared.is_dir() else []
+    for path in temporary:
+        dead = left_by_a_dead_process(path)
+        entries.append(CacheEntry("temporary", path, _size(path), not dead, "left by a writer that is gone" if dead
+                                  else ""))
+    return _in_use(entries) if any(not e.used for e in entries) else entries
 
 
-def _temporary(path: Path) -> CacheEntry:
-    if left_by_a_dead_process(path):
-        return CacheEntry("temporary", path, _size(path), False, "left by a writer that is gone")
-    return CacheEntry("temporary", path, _size(path), True, "")
+def _in_use(entries: list[CacheEntry]) -> list[CacheEntry]:
+    """Mark the unused entries a running process has a file of open or mapped as used, naming that process."""
+    opened = open_paths()
+    marked = []
+    for e in entries:
+        pid = next((pid for path, pid in opened.items() if path == e.path or e.path in path.parents), None)
+        if not e.used and pid is not None:
+            e = CacheEntry(e.kind, e.path, e.size, True, f"in use by process {pid}")
+        marked.append(e)
+    return marked
 
 
 def remove(entries: list[CacheEntry]) -> int:
-    """Remove the entries this install does not use (a weight copy with its lock); returns the bytes freed.
+    """Remove the entries this install does not use; returns the bytes freed.
 
-    A process that still maps a removed weight copy keeps reading it (the file lives on while mapped).
+    A weight copy goes with its lock file, while holding that lock (a copy whose lock another process holds, a writer
+    or a reader checking it, is left for the next clean); a process that still maps a removed copy keeps reading it.
 
     Raises:
         OSError: an entry could not be removed (the ones before it are gone).
     """
     freed = 0
     for entry in entries:
-        if entry.used:
+        if entry.used or not entry.path.exists():
             continue
-        if entry.path.is_dir():
+        if entry.kind == "weight copy":
+            if not _remove_copy(entry.path):
+                continue
+        elif entry.path.is_dir():
             shutil.rmtree(entry.path)
         else:
             entry.path.unlink(missing_ok=True)
-            if entry.kind == "weight copy":
-                entry.path.with_name(entry.path.name + ".lock").unlink(missing_ok=True)
         freed += entry.size
     return freed
 
 
+def _remove_copy(path: Path) -> bool:
+    """Unlink a weight copy and then its lock while holding the lock (``shared_copy``'s writers take it); False when
+    another process holds it."""
+    lock = path.with_name(path.name + ".lock")
+    with open(lock, "a") as fh:
+        try:
+            fcntl.flock(fh, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            return False
+        path.unlink(missing_ok=True)
+        lock.unlink(missing_ok=True)
+    return True
+
+
 def human_size(size: int) -> str:
-    """Bytes as ``512 MiB`` / ``6.7 GiB``."""
+    """Bytes as ``512 MiB`` / ``6.6 GiB``."""
     if size >= 1 << 30:
         return f"{size / (1 << 30):.1f} GiB"
     return f"{size / (1 << 20):.0f} MiB"

@@ -263,10 +263,25 @@ def gguf_identity(gguf: Path) -> str:
     return f"{gguf.name}:{size}:{sha.hexdigest()}"
 
 
-def export_path(model: str, gguf: Path) -> Path:
-    """The cache folder of a packaged model's export: ``<cache>/models/<model>-<digest of gguf_identity>``."""
-    digest = hashlib.sha1(gguf_identity(gguf).encode()).hexdigest()[:10]
-    return cache_root() / "models" / f"{model}-{digest}"
+def export_path(model: str, gguf: Path | None = None) -> Path:
+    """The cache folder of a packaged model's export, ``<cache>/models/<model>-<digest>``.
+
+    A model shipped in one package (``PACKAGED_MODELS``; ``gguf`` its file, found when None) is named by
+    ``gguf_identity``: every environment with that package shares one export. A split model's GGUF is joined into the
+    cache itself, one place per cache, so its name stays what it always was, the digest of that path and the parts'
+    total size — computable before the join, and the exports made before keep their names.
+
+    Raises:
+        ModelError: ``gguf`` is None and the model's package or parts are not installed.
+    """
+    if model in SPLIT_MODELS:
+        split = SPLIT_MODELS[model]
+        joined = cache_root() / "gguf" / split.filename
+        size = sum(p.stat().st_size for p in split_part_paths(model)) if gguf is None else gguf.stat().st_size
+        key = f"{joined}:{size}"
+    else:
+        key = gguf_identity(gguf if gguf is not None else packaged_gguf(model))
+    return cache_root() / "models" / f"{model}-{hashlib.sha1(key.encode()).hexdigest()[:10]}"
 
 
 def resolve_model_dir(model: str) -> str:

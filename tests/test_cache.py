@@ -10,7 +10,7 @@ from typer.testing import CliRunner
 
 from fedspear.cli import app
 from fedspear.runtime import model_zoo
-from fedspear.runtime.model_zoo import ModelError, export_path
+from fedspear.runtime.model_zoo import ModelError, copies_dir, export_path
 
 runner = CliRunner()
 DEAD_PID = 4194305  # above Linux's largest pid_max (2^22): no process has it
@@ -62,11 +62,11 @@ def cache(tmp_path, monkeypatch):
     stopped = root / "models" / f"smollm2-135m-ce4438ba53.{DEAD_PID}.tmp"
     stopped.mkdir()
     (stopped / "model.safetensors").write_bytes(b"\0" * 1000)
-    keep = [current, _copy(root / "shared" / "smollm2-135m-a.safetensors", str(current)),
-            _copy(root / "shared" / "my-model-b.safetensors", str(local))]
-    drop = [old, stopped, _copy(root / "shared" / "smollm2-135m-c.safetensors", str(old)),
-            _copy(root / "shared" / "gone-d.safetensors", str(tmp_path / "gone")),
-            _copy(root / "shared" / "smollm2-135m-e.safetensors", None)]
+    keep = [current, _copy(copies_dir() / "smollm2-135m-a.safetensors", str(current)),
+            _copy(copies_dir() / "my-model-b.safetensors", str(local))]
+    drop = [old, stopped, _copy(copies_dir() / "smollm2-135m-c.safetensors", str(old)),
+            _copy(copies_dir() / "gone-d.safetensors", str(tmp_path / "gone")),
+            _copy(copies_dir() / "smollm2-135m-e.safetensors", None)]
     return root, keep, drop
 
 
@@ -139,7 +139,7 @@ def test_a_split_models_export_and_gguf_are_used_while_its_parts_are_installed(s
     assert export.name.startswith("big-") and export.parent == real.parent / "link" / "models"
     (real / "models" / export.name).mkdir(parents=True)
     (real / "models" / export.name / "config.json").write_text("{}")
-    _copy(real / "shared" / f"{export.name}-a.safetensors", str((real / "models" / export.name).resolve()))
+    _copy(copies_dir() / f"{export.name}-a.safetensors", str((real / "models" / export.name).resolve()))
     assert {e.kind: e.used for e in cache_entries()} == {"export": True, "weight copy": True}
     _gguf(real / "gguf" / "big.gguf", b"\1" * 2048)
     assert all(e.used for e in cache_entries())
@@ -157,7 +157,7 @@ def test_clean_keeps_what_a_running_process_has_mapped_and_a_live_writers_tempor
 
     root, keep, drop = cache
     mapped = drop[2]
-    live = root / "shared" / f".x.safetensors.{os.getpid()}.tmp"
+    live = copies_dir() / f".x.safetensors.{os.getpid()}.tmp"
     live.write_bytes(b"\0" * 10)
     reader = subprocess.Popen([sys.executable, "-c", (
         "import mmap, sys; f = open(sys.argv[1], 'rb'); m = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ); "

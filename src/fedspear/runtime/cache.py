@@ -25,7 +25,8 @@ import shutil
 from dataclasses import dataclass
 from pathlib import Path
 
-from .model_zoo import (PACKAGED_MODELS, SPLIT_MODELS, ModelError, cache_root, export_path, left_by_a_dead_process)
+from .model_zoo import (PACKAGED_MODELS, SPLIT_MODELS, ModelError, cache_root, copies_dir, export_path,
+                        left_by_a_dead_process)
 
 
 @dataclass(frozen=True)
@@ -95,7 +96,7 @@ def cache_entries() -> list[CacheEntry]:
     joined GGUFs, weight copies, then temporary files, each sorted by path. An absent cache has none."""
     root = cache_root().resolve()
     installed = installed_models()
-    exports, ggufs, shared = root / "models", root / "gguf", root / "shared"
+    exports, ggufs, shared = root / "models", root / "gguf", copies_dir().resolve()
     current = set(installed.values())
     joined = {SPLIT_MODELS[m].filename for m in installed if m in SPLIT_MODELS}
     entries: list[CacheEntry] = []

@@ -95,6 +95,11 @@ def cache_root() -> Path:
     return Path(os.environ.get("FEDSPEAR_CACHE", Path.home() / ".cache" / "fedspear"))
 
 
+def copies_dir() -> Path:
+    """Where converted weight copies live: ``<cache>/shared`` (``fedspear.runtime.shared_copy``)."""
+    return cache_root() / "shared"
+
+
 def packaged_gguf(name: str) -> Path:
     """Path of a packaged GGUF file, found without importing its package.
 

@@ -33,7 +33,7 @@ from pathlib import Path
 
 import torch
 
-from .model_zoo import cache_root, left_by_a_dead_process
+from .model_zoo import copies_dir, left_by_a_dead_process
 
 log = logging.getLogger(__name__)
 
@@ -58,7 +58,7 @@ def copy_path(model_dir: str | Path) -> Path:
                       "conversion": inspect.getsource(store_linear_weights_bf16),
                       "files": [[p.name, p.stat().st_size, p.stat().st_mtime_ns] for p in files]})
     digest = hashlib.sha256(key.encode()).hexdigest()[:12]
-    return cache_root() / "shared" / f"{folder.name}-{digest}.safetensors"
+    return copies_dir() / f"{folder.name}-{digest}.safetensors"
 
 
 def _untie_output(base) -> bool:

@@ -80,7 +80,7 @@ def open_paths() -> dict[Path, int]:
     return found
 
 
-def _copy_source(path: Path) -> str | None:
+def copy_source(path: Path) -> str | None:
     """The model folder a weight copy was made from (its safetensors metadata), or None when unreadable or unnamed."""
     from safetensors import SafetensorError, safe_open
 
@@ -115,7 +115,7 @@ def cache_entries() -> list[CacheEntry]:
                                       "" if path.name in joined else "its model's parts are not installed"))
     for path in sorted(shared.glob("*.safetensors")) if shared.is_dir() else []:
         lock = path.with_name(path.name + ".lock")
-        source = _copy_source(path)
+        source = copy_source(path)
         folder = Path(source).resolve() if source else None
         if folder is None:
             why = "unreadable, or made before copies named their folder"

@@ -114,18 +114,11 @@ def _remove_superseded(path: Path, folder: Path) -> list[Path]:
     """Remove the older copies of the same model ``folder`` (an earlier export, conversion or torch: another digest)
     once ``path`` replaces them; returns what was removed. A process still mapping one keeps reading it (a removed
     file lives on while mapped)."""
-    from safetensors import SafetensorError, safe_open
+    from .cache import copy_source
 
     gone = []
     for other in path.parent.glob(f"{folder.name}-*.safetensors"):
-        if other == path:
-            continue
-        try:
-            with safe_open(str(other), framework="pt") as fh:
-                made_from = (fh.metadata() or {}).get("folder")
-        except (OSError, SafetensorError):
-            continue
-        if made_from == str(folder):
+        if other != path and copy_source(other) == str(folder):
             other.unlink(missing_ok=True)
             other.with_name(other.name + ".lock").unlink(missing_ok=True)
             gone.append(other)

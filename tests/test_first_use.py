@@ -152,6 +152,33 @@ def test_unknown_hub_id_fails_at_once_and_writes_nothing(tmp_path, monkeypatch, 
     assert asked == ([] if how == "HF_HUB_OFFLINE" else [("nobody/no-such-model", 10)])
 
 
+@pytest.mark.parametrize("command", ["eval", "eval-lm-eval", "bench", "chat"])
+def test_every_command_that_loads_a_model_fails_at_once_on_an_unreachable_hub_id(tmp_path, monkeypatch, command):
+    """eval (both harnesses), bench and chat check a hub id as run does: one line, before any work, nothing written
+    (no evaluation file, no trace store, no bench result)."""
+    import huggingface_hub
+    from huggingface_hub import constants
+
+    asked = []
+
+    def model_info(model, timeout=None):
+        asked.append((model, timeout))
+        raise OSError("[Errno -2] Name or service not known")
+
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)
+    monkeypatch.setattr(huggingface_hub, "model_info", model_info)
+    monkeypatch.chdir(tmp_path)
+    model = ["--model", "nobody/no-such-model"]
+    args = {"eval": ["eval", *model, "-o", "out.json"],
+            "eval-lm-eval": ["eval", *model, "--harness", "lm-eval", "-o", "out.json"],
+            "bench": ["bench", *model, "--quick", "--no-round", "--output", "out.json"],
+            "chat": ["chat", *model, "--traces", "traces.db"]}[command]
+    _one_line_error(_invoke(*args), "model 'nobody/no-such-model' is not in the Hugging Face cache and the Hub "
+                                    "cannot be reached (OSError)")
+    assert asked == [("nobody/no-such-model", 10)]
+    assert list(tmp_path.iterdir()) == []
+
+
 def test_device_cuda_without_a_gpu_writes_no_config(tmp_path):
     import torch
 

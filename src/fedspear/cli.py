@@ -169,6 +169,19 @@ def check_hub_model(model: str) -> None:
                          f"({type(err).__name__}); connect, or use a packaged model or a local folder") from None
 
 
+def check_model_source(model: str) -> None:
+    """``check_hub_model`` for a ``model`` that is a hub id: not a packaged name, not the tiny test model, not a local
+    folder. Every command that loads a model calls it before its work (run's preflight, eval, bench, chat).
+
+    Raises:
+        ModelError: as ``check_hub_model``.
+    """
+    from .runtime.model_zoo import TINY_MODEL, resolve_model_dir
+
+    if model != TINY_MODEL and resolve_model_dir(model) == model and not Path(model).exists():
+        check_hub_model(model)
+
+
 def before_start(signum: int) -> str:
     """The line a stop during ``run``'s checks prints (``preflight``: no round has begun, nothing is recorded)."""
     from .stops import command_line, signal_name
@@ -187,7 +200,6 @@ def preflight(cfg: RunConfig) -> None:
 
     from .tasks import load_split
     from .runtime.model import resolve_device
-    from .runtime.model_zoo import TINY_MODEL, resolve_model_dir
     from .rundir import RunDir
     from .tasks import get_task
 
@@ -209,8 +221,7 @@ def preflight(cfg: RunConfig) -> None:
 
     # every client computes this split; an impossible one must stop the run here, not inside each client's round
     dirichlet_partitions(train[:n], cfg.num_clients, cfg.dirichlet_alpha, cfg.seed, cfg.partitioner)
-    if cfg.model != TINY_MODEL and resolve_model_dir(cfg.model) == cfg.model and not Path(cfg.model).exists():
-        check_hub_model(cfg.model)
+    check_model_source(cfg.model)
     if cfg.dp != "off" and cfg.dp_noise_multiplier > 0:  # z = 0 composes nothing: no accountant needed
         if importlib.util.find_spec("dp_accounting") is None:
             raise ConfigError(f'dp = "{cfg.dp}" reports ε with Flower\'s privacy accountant, which needs '
@@ -684,6 +695,7 @@ def eval_(
         if harness == "lm-eval" and ignored:
             raise ConfigError(f"{', '.join(ignored)}: not used by --harness lm-eval (it scores every document; "
                               "--limit N scores the first N)")
+        check_model_source(cfg.model)  # a hub id that cannot be fetched: at once, not after retries
         if harness == "lm-eval":
             return _eval_lm_eval(cfg, adapter, round_, target, split, limit, output)
         output = output or default_eval_output(cfg, adapter, round_, "eval", split or get_task(cfg.task).EVAL_SPLIT)
@@ -737,6 +749,7 @@ def bench(
 
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     try:
+        check_model_source(model)
         if scaling:
             result = run_scaling(model=model, dtype=dtype, quick=quick, device=device,
                                  progress=lambda text: print(f"measuring {text}", file=sys.stderr, flush=True))
@@ -786,6 +799,7 @@ def chat(
 
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     try:
+        check_model_source(model)
         counts = TraceStore(traces).counts()
         responder = ChatModel.load(model, dtype, adapter, max_new_tokens)
     except (ModelError, TraceStoreError, FileNotFoundError, ValueError) as err:

@@ -3,9 +3,11 @@
 
     .venv/bin/python scripts/guard_summary.py runs/compare-sqa-guard --copy docs/results/sqa-guard
 
-prints the page's tables (markdown) and writes ``summary.json`` beside them; ``--copy DIR`` also copies each cell's
-``metrics.jsonl``, ``cell.toml``, ``config.toml``, kept answers (``answers/``) and training traces (``traces/``) to
-``DIR/cells/<cell>/`` (no adapters) and writes ``DIR/summary.json``.
+prints the figures as markdown tables and the first answers of each cell; ``--copy DIR`` also copies each finished
+cell's ``metrics.jsonl``, ``cell.toml``, ``config.toml``, kept answers (``answers/``) and training traces
+(``traces/``) to ``DIR/cells/<cell>/`` (no adapters) and writes the figures to ``DIR/summary.json``. A cell counts
+when it has finished: its last record is its configured last round (``config.toml``'s ``rounds``) with an
+evaluation.
 
 Figures, all from the cells' own records (``fedspear.health``'s fields, ``fedspear.answers``' files):
 
@@ -17,17 +19,19 @@ Figures, all from the cells' own records (``fedspear.health``'s fields, ``fedspe
 - the guard minus SPEAR, paired by item (each item's difference averaged over the seeds present; 95% normal
   interval over items, ``fedspear.experiments.compare.stats.item_paired_diff``).
 
-Verdicts, by rules fixed before the cells ran (the project's own warning rule for "reasoning lost"):
+Verdicts, by rules fixed before the guard cells and seeds 1–2 ran (SPEAR s0's rounds 0–3 had run), with the
+project's own warning rule for "reasoning lost":
 
 1. *SPEAR's reasoning collapses at this budget*: a seed collapses when its final evaluation's reasoning share is
-   below half of round 0's (``fedspear.health``'s "reasoning lost" warning) or one label takes more than 80% of the
-   answers ("label collapse"). Supported when every one of 3 seeds collapses, not supported when none does,
-   undecided otherwise and while fewer than 3 seeds have finished.
+   below half of round 0's (``fedspear.health``'s "reasoning lost" warning, which needs round 0's share ≥ 10%) or
+   one label takes more than 80% of all the answers, unparsed ones included ("label collapse"). Supported when
+   every one of 3 seeds collapses, not supported when none does, undecided otherwise and while fewer than 3 seeds
+   have finished.
 2. *The guard prevents it*: among the seeds where SPEAR collapses, the guard's cell does not. Supported when it holds
    in every such seed of 3, not supported when it holds in none, undecided otherwise / with fewer seeds.
 3. *Without costing accuracy*: the guard minus SPEAR, pooled over the seeds by item: costs accuracy (supported)
    when the interval lies below 0; does not cost (supported) when its lower end is above −3 points, a
-   non-inferiority margin set before the runs (one 500-item evaluation's interval is ±4.4 points); undecided
+   non-inferiority margin set with the rules (one 500-item evaluation's interval is ±4.4 points); undecided
    otherwise and while fewer than 3 seeds are paired.
 """
 
@@ -42,6 +46,7 @@ from pathlib import Path
 from fedspear.answers import read_jsonl_gz
 from fedspear.evaluation import wilson_interval
 from fedspear.experiments.compare.stats import item_paired_diff
+from fedspear.health import COLLAPSE_SHARE, MIN_REASONING_SHARE
 
 SEEDS_NEEDED = 3
 MARGIN = 0.03  # non-inferiority margin for verdict 3 (fraction)
@@ -54,9 +59,24 @@ def load_cells(root: Path) -> dict[tuple[str, int], Path]:
     for cell in sorted((root / "cells").glob("strategy_qa-spear-revised_wins=*-s*")):
         arm, seed = cell.name.split("revised_wins=")[1].rsplit("-s", 1)
         records = records_of(cell)
-        if records and records[-1].get("eval") and records[-1]["round"] > 0:
+        if records and records[-1].get("eval") and records[-1]["round"] == planned_rounds(cell):
             out[(arm, int(seed))] = cell
     return out
+
+
+def planned_rounds(cell: Path) -> int | None:
+    """The cell's configured number of rounds (its ``config.toml``, else ``cell.toml``); None when neither reads."""
+    import tomllib
+
+    for name in ("config.toml", "cell.toml"):
+        try:
+            raw = tomllib.loads((cell / name).read_text(encoding="utf-8"))
+        except (OSError, ValueError):
+            continue
+        rounds = raw.get("fedspear", raw).get("rounds")
+        if isinstance(rounds, int):
+            return rounds
+    return None
 
 
 def records_of(cell: Path) -> list[dict]:
@@ -80,9 +100,10 @@ def eval_row(ev: dict) -> dict:
 def collapsed(final: dict, round0: dict) -> list[str]:
     """Verdict 1's rule for one cell: the reasons it counts as collapsed ([] if it does not)."""
     why = []
-    if round0["reasoning"] and final["reasoning"] is not None and final["reasoning"] < round0["reasoning"] / 2:
+    if (round0["reasoning"] or 0) >= MIN_REASONING_SHARE and final["reasoning"] is not None \
+            and final["reasoning"] < round0["reasoning"] / 2:
         why.append(f"reasoning share {round0['reasoning']:.0%} → {final['reasoning']:.0%}")
-    if final["top_share"] is not None and final["top_share"] > 0.8:
+    if final["top_share"] is not None and final["top_share"] > COLLAPSE_SHARE:
         why.append(f"one label on {final['top_share']:.0%} of answers")
     return why
 

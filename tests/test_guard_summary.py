@@ -37,6 +37,7 @@ def _cell(root: Path, arm: str, seed: int, final: dict, rounds: int = 2) -> Path
                 for r in range(1, rounds)]
     records.append({"round": rounds, "eval": final, "health": {"wins_initial": 2, "wins_revised": 1}})
     (cell / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    (cell / "config.toml").write_text(f'task = "strategy_qa"\nrounds = {rounds}\n')
     for r in (0, rounds):
         with gzip.open(cell / "answers" / f"round_{r:04d}.jsonl.gz", "wt") as f:
             for i in range(10):
@@ -51,6 +52,8 @@ def test_collapse_rule_reads_reasoning_share_and_label_share(gs):
     assert gs.collapsed(gs.eval_row(_eval("1111100000", 0.39, 0.5, 5)), round0) == ["reasoning share 80% → 39%"]
     assert gs.collapsed(gs.eval_row(_eval("1111100000", 0.8, 0.9, 9)), round0) == ["one label on 90% of answers"]
     assert gs.collapsed(gs.eval_row(_eval("1111100000", 0.8, 0.8, 8)), round0) == []  # more than 80% is needed
+    # as fedspear.health: no reasoning to lose when round 0 reasons on under 10% (a task that asks for a bare letter)
+    assert gs.collapsed(gs.eval_row(_eval("1111100000", 0.0, 0.5, 5)), gs.eval_row(_eval("11", 0.09, 0.5, 1))) == []
 
 
 @pytest.mark.parametrize("items", [100, 10])
@@ -106,6 +109,10 @@ def test_unfinished_cells_are_left_out_and_the_command_says_so(gs, tmp_path, cap
     cell = tmp_path / "cells" / "strategy_qa-spear-revised_wins=all-s0"
     cell.mkdir(parents=True)
     (cell / "metrics.jsonl").write_text(json.dumps({"round": 0, "eval": _eval("10", 1.0, 0.5, 1)}) + "\n")
+    assert gs.load_cells(tmp_path) == {}
+    # a mid-run evaluation (round 2 of 4, eval_every = 2) is not a final one
+    mid = _cell(tmp_path, "reasoned", 0, _eval("10", 1.0, 0.5, 1), rounds=2)
+    (mid / "config.toml").write_text('task = "strategy_qa"\nrounds = 4\n')
     assert gs.load_cells(tmp_path) == {}
     assert gs.main([str(tmp_path)]) == 1
     assert "no finished cell" in capsys.readouterr().err

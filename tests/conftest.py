@@ -2,10 +2,25 @@
 
 from __future__ import annotations
 
+import importlib.util
+from pathlib import Path
+
 import pytest
 import torch
 
 torch.set_num_threads(2)
+
+
+@pytest.fixture(scope="session")
+def file_module():
+    """Import a Python file outside the package (``scripts/``, ``examples/``) as a module: ``(path, name) → module``,
+    its functions without running its ``__main__`` part."""
+    def load(path: Path, name: str):
+        spec = importlib.util.spec_from_file_location(name, path)
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+        return module
+    return load
 
 
 def pytest_collection_modifyitems(config, items):

@@ -408,24 +408,20 @@ def test_deploy_local_example_stops_on_ctrl_c(tmp_path):
     assert left == [] and _processes_mentioning(out) == []
 
 
-def _example_module():
+@pytest.fixture
+def example(file_module):
     """``examples/deploy-local/run.py`` imported as a module (its functions, without running a deployment)."""
-    import importlib.util
-
-    spec = importlib.util.spec_from_file_location("deploy_local_run", REPO / "examples" / "deploy-local" / "run.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return file_module(REPO / "examples" / "deploy-local" / "run.py", "deploy_local_run")
 
 
-def test_deploy_local_settings_are_what_the_server_app_will_build(tmp_path, monkeypatch, capsys):
+def test_deploy_local_settings_are_what_the_server_app_will_build(tmp_path, monkeypatch, capsys, example):
     """The example's settings file plus its run config, merged as the ServerApp merges them (``load_config``: the
     run config wins), give the options' values with ``--set`` over them; what the ServerApp would refuse is refused
     before any process starts (exit 2, nothing written): a run-config key in ``--set``, an unknown key (with the
     near one), SecAgg+ on 2 nodes whatever ``--set`` says."""
     from fedspear.config import ConfigError, load_config
 
-    run = _example_module()
+    run = example
     parse = lambda *argv: run.argparse.Namespace(  # noqa: E731 - the parsed options main() passes on
         model="tiny-random", local_steps=1, batch_size=2, train_size=20, seed=0, timeout=600.0, max_new_tokens=0,
         dp="off", dp_noise_multiplier=1.0, dp_clip_norm=1.0, secure_aggregation=True, nodes=3, rounds=2,

@@ -4,7 +4,6 @@ cells whose figures are checked by hand."""
 from __future__ import annotations
 
 import gzip
-import importlib.util
 import json
 from pathlib import Path
 
@@ -14,11 +13,8 @@ SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "guard_summary.py"
 
 
 @pytest.fixture(scope="module")
-def gs():
-    spec = importlib.util.spec_from_file_location("guard_summary", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+def gs(file_module):
+    return file_module(SCRIPT, "guard_summary")
 
 
 def _eval(outcomes: str, reasoning: float, top: float, yes: int) -> dict:

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import math
 from pathlib import Path
@@ -13,11 +12,8 @@ SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "round_costs.py"
 
 
 @pytest.fixture(scope="module")
-def costs():
-    spec = importlib.util.spec_from_file_location("round_costs", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+def costs(file_module):
+    return file_module(SCRIPT, "round_costs")
 
 
 def write_cell(grid: Path, name: str, rounds: list[tuple[float, float]]) -> None:

@@ -44,9 +44,11 @@ import sys
 from pathlib import Path
 
 from fedspear.answers import read_jsonl_gz
+from fedspear.config import ConfigError
 from fedspear.evaluation import wilson_interval
 from fedspear.experiments.compare.stats import item_paired_diff
 from fedspear.health import COLLAPSE_SHARE, MIN_REASONING_SHARE
+from fedspear.rundir import RunDir
 
 SEEDS_NEEDED = 3
 MARGIN = 0.03  # non-inferiority margin for verdict 3 (fraction)
@@ -58,30 +60,18 @@ def load_cells(root: Path) -> dict[tuple[str, int], Path]:
     out = {}
     for cell in sorted((root / "cells").glob("strategy_qa-spear-revised_wins=*-s*")):
         arm, seed = cell.name.split("revised_wins=")[1].rsplit("-s", 1)
-        records = records_of(cell)
+        records = RunDir(cell).records()
         if records and records[-1].get("eval") and records[-1]["round"] == planned_rounds(cell):
             out[(arm, int(seed))] = cell
     return out
 
 
 def planned_rounds(cell: Path) -> int | None:
-    """The cell's configured number of rounds (its ``config.toml``, else ``cell.toml``); None when neither reads."""
-    import tomllib
-
-    for name in ("config.toml", "cell.toml"):
-        try:
-            raw = tomllib.loads((cell / name).read_text(encoding="utf-8"))
-        except (OSError, ValueError):
-            continue
-        rounds = raw.get("fedspear", raw).get("rounds")
-        if isinstance(rounds, int):
-            return rounds
-    return None
-
-
-def records_of(cell: Path) -> list[dict]:
-    path = cell / "metrics.jsonl"
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.is_file() else []
+    """The cell's configured number of rounds (its ``config.toml``); None when it has none that reads."""
+    try:
+        return RunDir(cell).saved_config().rounds
+    except ConfigError:
+        return None
 
 
 def eval_row(ev: dict) -> dict:
@@ -112,7 +102,7 @@ def summarise(root: Path) -> dict:
     cells = load_cells(root)
     out: dict = {"cells": {}, "pairs": {}}
     for (arm, seed), cell in cells.items():
-        records = records_of(cell)
+        records = RunDir(cell).records()
         round0, final = eval_row(records[0]["eval"]), eval_row(records[-1]["eval"])
         out["cells"][cell.name] = {
             "arm": arm, "seed": seed, "round0": round0, "final": final, "final_round": records[-1]["round"],

@@ -11,16 +11,18 @@
 #   scripts/gpu_check.sh --dry-run   on a CPU: every step end to end at toy sizes (the Qwen-shaped model shrunk to
 #                                    2 layers, 8 new tokens), GPU-only parts skipped; results under .gpu-bundle/dry-run
 #
-# Steps (each prints "=== <time> <step>" and ends with "--- <step>: ok | failed | skipped: why", each bounded):
+# Steps, in order of value (each prints "=== <time> <step>", ends with "--- <step>: ok | failed | skipped: why" and
+# is bounded):
 #   1. env          GPU, driver, torch / transformers / peft versions, bf16
 #   2. setup        fedspear from src/ (PYTHONPATH), exports from the bundle, a `fedspear` command beside python3
 #                   (the tests call it there) when there is none
-#   3. tests        the `gpu`-marked tests and tests/test_device.py
-#   4. model        a random-weight model of Qwen2.5-Coder-1.5B's shape (the export's config.json, from_config)
-#   5. round-eager  two SPEAR client-rounds at `--preset paper --task strategy_qa` (32 prompts, N = 2, 256 tokens,
-#                   5 steps × 16), compile_decode = off when fedspear has that key
-#   6. round-compiled  the same with compile_decode = on; skipped, saying so, where fedspear has no such key
-#   7. bench        `fedspear bench --device cuda --no-round` on it (no Flower needed without the round)
+#   3. model        a random-weight model of Qwen2.5-Coder-1.5B's shape (the export's config.json, from_config)
+#   4. round-compiled  two SPEAR client-rounds at `--preset paper --task strategy_qa` (32 prompts, N = 2, 256 tokens,
+#                   5 steps × 16) with compile_decode = on (round 1 includes compiling, round 2 is warm), then their
+#                   decode step timed at batch 32; skipped, saying so, where fedspear has no such key
+#   5. bench        `fedspear bench --device cuda --no-round` on it (no Flower needed without the round)
+#   6. tests        the `gpu`-marked tests and tests/test_device.py
+#   7. round-eager  the same rounds and decode timing with compile_decode = off (the same-machine baseline)
 #   8. flwr-run     a real `fedspear` federation through Flower's deployment engine (examples/deploy-local: a TLS
 #                   SuperLink, 2 SuperNodes, 1 round, tiny-random model on the GPU): Flower installed from the
 #                   carried wheels when missing; skipped, saying why, when they cannot be installed
@@ -124,7 +126,40 @@ if [ ! -x "$FEDSPEAR_CMD" ]; then
 fi
 step setup 120 "$PY" -c "from fedspear.runtime.model import load_base; m, t, d = load_base('tiny-random'); print('tiny-random on', next(m.parameters()).device, d, '| tokenizer', t.name_or_path)"
 
-# 3. tests: tests/test_device.py whole, and the `gpu`-marked tests of the other files (skipped, with that reason,
+# 4. model: Qwen2.5-Coder-1.5B's shape, random weights (on the CPU: shrunk to 2 layers)
+QWEN_EXPORT=$BUNDLE/exports/qwen2.5-coder-1.5b
+MODEL=$S/qwen2.5-1.5b-shape-random
+if [ -f "$QWEN_EXPORT/config.json" ]; then
+  step model 120 "$PY" scripts/gpu_check.py random-model --from "$QWEN_EXPORT" --out "$MODEL" \
+    $([ "$MODE" = dry ] && echo --tiny) || MODEL=""
+else
+  skip model "no Qwen export in the bundle (scripts/gpu_check.sh --prepare on a machine with qwen2.5-coder-1.5b)"
+  MODEL=""
+fi
+
+# 5. the paper-preset client-rounds with compile_decode = on (the path a GPU takes by default), then the decode step
+#    they use timed at batch 32
+HAS_COMPILE=$("$PY" -c "from fedspear.config import RunConfig; print(int('compile_decode' in RunConfig.__dataclass_fields__))")
+SMALL=$([ "$MODE" = dry ] && echo --small)
+if [ -n "$MODEL" ] && [ "$HAS_COMPILE" = 1 ]; then
+  step round-compiled 330 "$PY" scripts/gpu_check.py round --model "$MODEL" --task strategy_qa --rounds 2 $SMALL \
+    --set compile_decode=on --out "$RES/round-compiled.json" || true
+elif [ -n "$MODEL" ]; then
+  skip round-compiled "this fedspear has no compile_decode key (the compiled decode is not merged yet)"
+else
+  skip round-compiled "no model (step model)"
+fi
+
+# 6. bench on that model (no round: that needs Flower's simulation, i.e. Ray, which cannot be carried)
+if [ -n "$MODEL" ]; then
+  DEVICE=$([ "$MODE" = gpu ] && echo cuda || echo cpu)
+  step bench 150 "$PY" -c "from fedspear.cli import app; app()" bench --model "$MODEL" --device "$DEVICE" --no-round \
+    $([ "$MODE" = dry ] && echo --quick) --output "$RES/bench.json" --results-dir "$RES" || true
+else
+  skip bench "no model (step model)"
+fi
+
+# 7. tests: tests/test_device.py whole, and the `gpu`-marked tests of the other files (skipped, with that reason,
 #    where torch sees no GPU); only these files are collected: the others may import Flower, absent there
 run_tests() {
   local rc=0 others
@@ -139,44 +174,16 @@ run_tests() {
 export -f run_tests
 step tests "$(cap 300)" bash -c run_tests || true
 
-# 4. model: Qwen2.5-Coder-1.5B's shape, random weights (on the CPU: shrunk to 2 layers)
-QWEN_EXPORT=$BUNDLE/exports/qwen2.5-coder-1.5b
-MODEL=$S/qwen2.5-1.5b-shape-random
-if [ -f "$QWEN_EXPORT/config.json" ]; then
-  step model 120 "$PY" scripts/gpu_check.py random-model --from "$QWEN_EXPORT" --out "$MODEL" \
-    $([ "$MODE" = dry ] && echo --tiny) || MODEL=""
-else
-  skip model "no Qwen export in the bundle (scripts/gpu_check.sh --prepare on a machine with qwen2.5-coder-1.5b)"
-  MODEL=""
-fi
-
-# 5-6. paper-preset client-rounds, eager then the compiled decode
-HAS_COMPILE=$("$PY" -c "from fedspear.config import RunConfig; print(int('compile_decode' in RunConfig.__dataclass_fields__))")
-SMALL=$([ "$MODE" = dry ] && echo --small)
+# 8. the same rounds with compile_decode = off (eager decode: the baseline on the same machine)
 if [ -n "$MODEL" ]; then
   EAGER=(); [ "$HAS_COMPILE" = 1 ] && EAGER=(--set compile_decode=off)
   step round-eager 260 "$PY" scripts/gpu_check.py round --model "$MODEL" --task strategy_qa --rounds 2 $SMALL \
     "${EAGER[@]}" --out "$RES/round-eager.json" || true
-  if [ "$HAS_COMPILE" = 1 ]; then
-    step round-compiled 260 "$PY" scripts/gpu_check.py round --model "$MODEL" --task strategy_qa --rounds 2 $SMALL \
-      --set compile_decode=on --out "$RES/round-compiled.json" || true
-  else
-    skip round-compiled "this fedspear has no compile_decode key (the compiled decode is not merged yet)"
-  fi
 else
-  skip round-eager "no model (step model)"; skip round-compiled "no model (step model)"
+  skip round-eager "no model (step model)"
 fi
 
-# 7. bench on that model (no round: that needs Flower's simulation, i.e. Ray, which cannot be carried)
-if [ -n "$MODEL" ]; then
-  DEVICE=$([ "$MODE" = gpu ] && echo cuda || echo cpu)
-  step bench 150 "$PY" -c "from fedspear.cli import app; app()" bench --model "$MODEL" --device "$DEVICE" --no-round \
-    $([ "$MODE" = dry ] && echo --quick) --output "$RES/bench.json" --results-dir "$RES" || true
-else
-  skip bench "no model (step model)"
-fi
-
-# 8. a real federation through Flower's deployment engine (no Ray): 1 round, tiny-random on the GPU
+# 9. a real federation through Flower's deployment engine (no Ray): 1 round, tiny-random on the GPU
 flwr_run() {
   "$PY" scripts/gpu_check.py flwr-install --wheels "$BUNDLE/wheels" || return 3
   "$PY" examples/deploy-local/run.py --output-dir "$S/deploy" --model tiny-random --rounds 1 \
@@ -189,7 +196,7 @@ flwr_run() {
 export -f flwr_run
 step flwr-run "$(cap 240)" bash -c flwr_run || true
 
-# 9. summary, named by machine kind
+# 10. summary, named by machine kind
 echo; echo "=== $(date +%T) summary"
 if [ "$MODE" = gpu ]; then DEST=$REPO/docs/results/bench; else DEST=$BUNDLE/dry-run; fi
 mkdir -p "$DEST"

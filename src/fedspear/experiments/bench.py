@@ -5,9 +5,10 @@ Three parts, each printed next to its bound as a utilisation ratio:
 1. **Bounds** (a few seconds of micro-benchmarks): matrix-multiply FLOP/s in bf16 and fp32 (square matmuls with
    torch) and memory bandwidth (a large tensor copy: bytes read + bytes written per second).
 2. **Throughputs** on the model: prefill tokens/s (one forward over a batch of prompts), decode tokens/s at batch
-   1 / 8 / 32 (greedy, fixed length, KV cache), LoRA training tokens/s (forward + backward), central-evaluation
-   items/s. Utilisation: achieved FLOP/s ÷ the matmul bound, counting the FLOPs the work needs (``prefill_flops``:
-   2 per weight per token, the LM head only where logits are kept, causal attention; training ≈ 2 × that, as
+   1 / 8 / 32 (greedy, fixed length, KV cache), LoRA training tokens/s (forward + backward; 8 rows of 220 tokens
+   on the CPU, 32 on a GPU: a paper-preset micro-step's wins and losses), central-evaluation items/s.
+   Utilisation: achieved FLOP/s ÷ the matmul bound, counting the FLOPs the work needs (``prefill_flops``: 2 per
+   weight per token, the LM head only where logits are kept, causal attention; training ≈ 2 × that, as
    frozen weights need activation gradients but no weight gradients — the issue's "≈ 4 × trainable-path
    parameters × tokens"); decode: tokens/s ÷ (batch × bandwidth ÷ bytes of the weights a step multiplies with),
    i.e. how close each decode step is to streaming the weights once.
@@ -279,13 +280,15 @@ def decode_cache(model, cache: str, capacity: int) -> dict:
 
 @torch.no_grad()
 def decode_tokens_per_s(model, tokenizer, dtype_used: str, batch: int, prompt: int, new: int, repeats: int = 3,
-                        merge: bool | None = None, cache: str = "fedspear", **generate_kwargs) -> list[float]:
+                        merge: bool | None = None, cache: str = "fedspear", per_call: Callable[[], dict] | None = None,
+                        **generate_kwargs) -> list[float]:
     """Greedy decoding of exactly ``new`` tokens per row after a ``prompt``-token prefill, timed step by step
     (``StepClock``: the prefill excluded): decode tokens/s of each of ``repeats`` calls after a warm-up call. The
     adapter is merged into the weights when fedspear's generation would merge it (``merges_adapter``) unless
     ``merge`` says otherwise; the KV cache is fedspear generation's (``cache = "fedspear"``: written in place,
     ``cpu_kernels.preallocated_cache``) or transformers' default (``"transformers"``); ``generate_kwargs`` go to
-    ``generate`` (e.g. a static cache, with ``cache = "transformers"``).
+    ``generate`` (e.g. a static cache, with ``cache = "transformers"``); ``per_call()``, when given, returns more of
+    them afresh for every call (a compiled decode's zeroed static cache: ``CompiledDecode.generate_kwargs``).
 
     Raises:
         ValueError: ``new`` < 2 (no decode step to time).
@@ -304,7 +307,7 @@ def decode_tokens_per_s(model, tokenizer, dtype_used: str, batch: int, prompt: i
     rates = []
     for _ in range(repeats + 1):
         clock = StepClock(device)
-        extra = dict(generate_kwargs, **decode_cache(model, cache, prompt + new))
+        extra = dict(generate_kwargs, **decode_cache(model, cache, prompt + new), **(per_call() if per_call else {}))
         with autocast(dtype_used, device.type), merged_adapter(model, enabled=merge):
             model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=new, min_new_tokens=new,
                            do_sample=False, pad_token_id=tokenizer.pad_token_id, use_cache=True,
@@ -381,7 +384,9 @@ def run_bench(model: str = "smollm2-135m", dtype: str = "auto", quick: bool = Fa
     peak = bounds["matmul_flops_bf16" if dtype_used == "bf16" else "matmul_flops_fp32"]
     out["flop_counts"] = counts
     out["weight_bytes_per_decode_step"] = weight_bytes
-    batch, length, kept = (2 if quick else 8), (32 if quick else 220), 16
+    # prefill and training at a SPEAR micro-step's rows: on a GPU 2 × a paper-preset batch of 16 (wins and losses
+    # in one forward); on the CPU 8, as measured since issue 19
+    batch, length, kept = (2 if quick else (32 if gpu else 8)), (32 if quick else 220), 16
     say(f"prefill and training throughput ({model}, {dtype_used})")
     prefill = prefill_tokens_per_s(peft, dtype_used, batch, length, s)
     train = train_tokens_per_s(peft, dtype_used, batch, length, s, kept)

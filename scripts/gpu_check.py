@@ -293,6 +293,42 @@ def decode_step(worker, batch: int, prompt: int, new: int) -> dict:
            "ms_per_step": statistics.median(runs), "runs_ms_per_step": runs, "first_call_seconds": first}
     _say(f"decode at batch {batch} ({'compiled' if out['compiled'] else 'eager'}): {out['ms_per_step']:.1f} ms per "
          f"step (runs {', '.join(f'{r:.1f}' for r in runs)}; first call {first:.1f} s)")
+    try:  # where a step's time goes; never fails the step
+        out["profile"] = profile_decode(worker, batch, prompt, new, per_call)
+    except Exception as err:  # noqa: BLE001 - a diagnostic: say why and go on
+        _say(f"decode profile not taken: {type(err).__name__}: {err}")
+    return out
+
+
+def profile_decode(worker, batch: int, prompt: int, new: int, per_call) -> dict:
+    """One more such ``generate`` call under ``torch.profiler`` (CPU, and CUDA where there is a GPU): its wall time,
+    the time the GPU spent in kernels and how many it ran, per new token (the call's one prefill included: ≈ 1/``new``
+    of it), and the ten kernels that took longest. Kernel time far below the wall time means a step waits on the host
+    (Python, launches, synchronisation), not on the GPU. → ``{"wall_ms_per_step", "kernel_ms_per_step",
+    "kernels_per_step", "top_kernels": [[name, ms per step], ...]}``."""
+    import torch
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+
+    from fedspear.experiments.bench import decode_tokens_per_s
+
+    gpu = torch.cuda.is_available() and next(worker.model.parameters()).is_cuda
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if gpu else [])
+    with profile(activities=activities) as prof:
+        start = time.perf_counter()
+        decode_tokens_per_s(worker.model, worker.tokenizer, worker.dtype_used, batch, prompt, new, repeats=0,
+                            merge=False if per_call else None, cache="transformers" if per_call else "fedspear",
+                            per_call=per_call)
+        wall = time.perf_counter() - start
+    kernels = [e for e in prof.key_averages() if e.device_type == DeviceType.CUDA]
+    def device_us(e) -> float:
+        return getattr(e, "self_device_time_total", None) or getattr(e, "self_cuda_time_total", 0.0)
+    top = sorted(kernels, key=device_us, reverse=True)[:10]
+    out = {"wall_ms_per_step": 1e3 * wall / new, "kernel_ms_per_step": sum(map(device_us, kernels)) / 1e3 / new,
+           "kernels_per_step": sum(e.count for e in kernels) / new,
+           "top_kernels": [[e.key[:120], device_us(e) / 1e3 / new] for e in top]}
+    _say(f"decode profile at batch {batch}: {out['wall_ms_per_step']:.1f} ms per step of wall time (profiled), "
+         f"{out['kernel_ms_per_step']:.2f} ms of GPU kernels in {out['kernels_per_step']:.0f} kernels per step")
     return out
 
 
@@ -388,6 +424,10 @@ def summary(args) -> int:
                 how = "compiled" if d["compiled"] else "eager"
                 lines.append(f"{name} decode afterwards at batch {d['batch']}: {d['ms_per_step']:.1f} ms per step "
                              f"({how}; first call {d['first_call_seconds']:.1f} s)")
+            prof = d.get("profile")
+            if prof:
+                lines.append(f"{name} decode profiled: {prof['wall_ms_per_step']:.1f} ms of wall time per step, "
+                             f"{prof['kernel_ms_per_step']:.2f} ms of it in {prof['kernels_per_step']:.0f} GPU kernels")
             lines.append("")
     bench = out.get("bench", {}).get("throughput", {})
     if bench:

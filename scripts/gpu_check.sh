@@ -19,7 +19,8 @@
 #   3. model        a random-weight model of Qwen2.5-Coder-1.5B's shape (the export's config.json, from_config)
 #   4. round-compiled  two SPEAR client-rounds at `--preset paper --task strategy_qa` (32 prompts, N = 2, 256 tokens,
 #                   5 steps × 16) with compile_decode = on (round 1 includes compiling, round 2 is warm), then their
-#                   decode step timed at batch 32; skipped, saying so, where fedspear has no such key
+#                   decode step timed at batch 32 and profiled (kernel time against wall time per step; torch's
+#                   graph-break, recompile and CUDA-graph hints in the log); skipped where fedspear has no such key
 #   5. bench        `fedspear bench --device cuda --no-round` on it (no Flower needed without the round)
 #   6. tests        the `gpu`-marked tests and tests/test_device.py
 #   7. round-eager  the same rounds and decode timing with compile_decode = off (the same-machine baseline)
@@ -142,7 +143,8 @@ fi
 HAS_COMPILE=$("$PY" -c "from fedspear.config import RunConfig; print(int('compile_decode' in RunConfig.__dataclass_fields__))")
 SMALL=$([ "$MODE" = dry ] && echo --small)
 if [ -n "$MODEL" ] && [ "$HAS_COMPILE" = 1 ]; then
-  step round-compiled 330 "$PY" scripts/gpu_check.py round --model "$MODEL" --task strategy_qa --rounds 2 $SMALL \
+  TORCH_LOGS=${TORCH_LOGS:-graph_breaks,recompiles,perf_hints} \
+    step round-compiled 330 "$PY" scripts/gpu_check.py round --model "$MODEL" --task strategy_qa --rounds 2 $SMALL \
     --set compile_decode=on --out "$RES/round-compiled.json" || true
 elif [ -n "$MODEL" ]; then
   skip round-compiled "this fedspear has no compile_decode key (the compiled decode is not merged yet)"

@@ -15,7 +15,8 @@ answer is a greedy choice of the *eager* model up to ``BF16_TOLERANCE``: with th
 (teacher-forced, one eager forward), its logit is within τ of the largest, τ = 16 bf16 units in the last place of
 that largest logit (16 · 2^(⌊log₂|max|⌋ − 7); 0.0625 for the tiny model's logits of ≈ 0.8). Measured on this CPU
 with inductor: at most 0.043 (4–7 of 12 answers identical, the rest parting at such near-ties of a random model);
-with ``aot_eager``, 0 (all identical). bf16 is tested on the CPU in the GPU's layout (every parameter in bf16,
+with ``aot_eager``, 0 (all identical); on an NVIDIA H200 with inductor and CUDA graphs, within the tolerance (4 of
+12 identical). bf16 is tested on the CPU in the GPU's layout (every parameter in bf16,
 ``bf16_parameters``) everywhere, and in the CPU's own layout where the CPU has bf16 units.
 """
 
@@ -272,7 +273,10 @@ def test_a_sampled_batch_samples_the_policy(counting, arc_items):
 def test_on_a_gpu_the_default_compiled_decode_matches_eager_and_compiles_once(arc_items):
     """The GPU's defaults: ``load_base`` holds the parameters in bf16 (LoRA fp32), ``compile_decode = "auto"``
     compiles with inductor and CUDA graphs. Compiled answers are eager-greedy within the bf16 tolerance; a second
-    adapter, written in place, compiles nothing and changes the answers."""
+    adapter, written in place, compiles nothing and changes the answers. On an NVIDIA H200 (2026-11-28, torch 2.11)
+    4 of the 12 answers were identical to eager ones token for token, every token within the tolerance: the random
+    model's near-ties part them, as inductor's bf16 kernels do on the CPU (module docstring). Asking for half of them
+    identical, as this test did before it first ran on a GPU, asked for more than the tolerance."""
     from torch._dynamo.utils import counters
 
     torch._dynamo.reset()
@@ -289,7 +293,7 @@ def test_on_a_gpu_the_default_compiled_decode_matches_eager_and_compiles_once(ar
     compiled_graphs = counters["stats"]["unique_graphs"]
     assert compiled_graphs > graphs
     assert near_greedy_gap(model, contexts, answers, dtype_used) <= 1
-    assert sum(a == b for a, b in zip(answers, eager)) >= len(contexts) // 2
+    assert len(answers) == len(eager) == len(contexts)  # how many are identical is not the tolerance: see the docstring
     set_adapter(model, _adapter(model, seed=2))
     again = _answers(model, tokenizer, contexts, dtype_used)
     assert counters["stats"]["unique_graphs"] == compiled_graphs and again != answers

@@ -86,7 +86,9 @@ def test_summary_gathers_every_step(tmp_path):
         {"round": 1, "seconds": 20.0, "seconds_generate_initial": 12.0, "seconds_generate_revisions": 3.0,
          "seconds_train": 1.5, "tokens_generated": 14336, "peak_gpu_gib": 16.46},
         {"round": 2, "seconds": 10.0}], "decode": {"batch": 32, "compiled": False, "ms_per_step": 48.0,
-                                                    "first_call_seconds": 2.5}}))
+                                                    "first_call_seconds": 2.5, "profile": {
+                                                        "wall_ms_per_step": 50.0, "kernel_ms_per_step": 4.25,
+                                                        "kernels_per_step": 1200.0, "top_kernels": []}}}))
     (tmp_path / "bench.json").write_text(json.dumps({"throughput": {
         "prefill": {"utilisation": 0.14}, "train": {"utilisation": 0.04},
         "decode": {"batch_32": {"tokens_per_s": 640.0, "utilisation": 0.04}}}}))
@@ -99,6 +101,7 @@ def test_summary_gathers_every_step(tmp_path):
             in text)
     assert "decode batch 32 50.0 ms/step (4% of bandwidth)" in text
     assert "round-eager decode afterwards at batch 32: 48.0 ms per step (eager; first call 2.5 s)" in text
+    assert "round-eager decode profiled: 50.0 ms of wall time per step, 4.25 ms of it in 1200 GPU kernels" in text
     # issue 40's targets where measured: 48.0 and 50.0 ms > 12 (no), round 2 (warm) 10.0 s ≤ 12 (yes), 4% < 25%,
     # 14% < 40%
     assert "| decode at batch 32 ≤ 12 ms per step (eager) | 55.7 ms | 48.0 ms | **no** |" in text

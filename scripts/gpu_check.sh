@@ -155,7 +155,9 @@ fi
 # 6. bench on that model (no round: that needs Flower's simulation, i.e. Ray, which cannot be carried)
 if [ -n "$MODEL" ]; then
   DEVICE=$([ "$MODE" = gpu ] && echo cuda || echo cpu)
+  # --compile-decode off: the compiled decode is timed by round-compiled, whose process has compiled it already
   step bench 150 "$PY" -c "from fedspear.cli import app; app()" bench --model "$MODEL" --device "$DEVICE" --no-round \
+    --compile-decode off \
     $([ "$MODE" = dry ] && echo --quick) --output "$RES/bench.json" --results-dir "$RES" || true
 else
   skip bench "no model (step model)"

@@ -269,3 +269,32 @@ def test_decode_is_timed_step_by_step_without_the_prefill():
         decode_tokens_per_s(model, tok, "fp32", batch=2, prompt=6, new=1)
     with pytest.raises(ValueError, match="cache must be"):
         decode_tokens_per_s(model, tok, "fp32", batch=2, prompt=6, new=4, cache="static")
+
+
+def test_compiled_decode_is_timed_where_it_compiles(monkeypatch):
+    """``compile_decode = on`` times decode at batch 1 / 8 / 32 through the compiled step (here torch.compile's
+    ``aot_eager``: the same graphs, eager kernels, seconds to compile) with each batch's first call apart, and leaves
+    the model decoding eagerly; ``auto`` on the CPU and ``off`` time nothing more; a bad setting fails before any
+    measurement."""
+    from fedspear.experiments import bench
+    from fedspear.runtime import compiled
+    from fedspear.runtime.compiled import compiled_decode
+    from fedspear.runtime.model import add_lora, LoraSettings, tiny_model
+
+    monkeypatch.setattr(compiled, "BACKEND", "aot_eager")
+    model, tok = tiny_model(seed=0)
+    model = add_lora(model, LoraSettings(r=4, alpha=8, dropout=0.0), seed=0)
+    bounds = {"memory_bandwidth_bytes_per_s": 1e10}
+    said = []
+    out = bench._compiled_decode_rates(model, tok, "fp32", "on", "cpu", True, bounds, 10**6, said.append)
+    assert set(out) == {"batch_1", "batch_8", "batch_32"}
+    for b, d in ((1, out["batch_1"]), (32, out["batch_32"])):
+        assert d["tokens_per_s"] > 0 and d["first_call_seconds"] > 0 and len(d["runs"]) == 1
+        assert d["bound_tokens_per_s"] == pytest.approx(b * 1e10 / 1e6)
+        assert d["utilisation"] == pytest.approx(d["tokens_per_s"] / d["bound_tokens_per_s"])
+    assert said == [f"decode at batch {b}, compiled" for b in (1, 8, 32)]
+    assert compiled_decode(model) is None  # eager again afterwards
+    for setting in ("auto", "off"):
+        assert bench._compiled_decode_rates(model, tok, "fp32", setting, "cpu", True, bounds, 10**6, said.append) == {}
+    with pytest.raises(ValueError, match="auto, on or off"):
+        bench.run_bench("tiny-random", quick=True, round_=False, device="cpu", compile_decode="yes")

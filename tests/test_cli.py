@@ -76,6 +76,7 @@ def test_bench_quick_prints_every_figure(tmp_path):
     t = result["throughput"]
     assert t["prefill"]["tokens_per_s"] > 0 and 0 < t["train"]["utilisation"]
     assert set(t["decode"]) == {"batch_1", "batch_8", "batch_32"} and t["evaluate"]["items_per_s"] > 0
+    assert "decode_compiled" not in t and result["compile_decode"] == "auto"  # auto compiles on a GPU only
     r = result["round"]
     assert set(r["seconds"]) >= {"generate_initial", "generate_revisions", "train", "aggregate", "evaluate",
                                  "flower_overhead", "round"}
@@ -111,6 +112,8 @@ def test_bench_on_a_gpu_reports_its_bounds(tmp_path):
     assert result["device"] == "cuda" and result["machine"]["kind"].startswith("cuda-")
     assert all(v > 0 for v in result["bounds"].values())
     assert result["throughput"]["decode"]["batch_8"]["tokens_per_s"] > 0
+    compiled = result["throughput"]["decode_compiled"]  # auto compiles there, as runs do
+    assert set(compiled) == {"batch_1", "batch_8", "batch_32"} and compiled["batch_32"]["first_call_seconds"] > 0
 
 
 def test_bench_scaling_quick_measures_every_axis(tmp_path):

@@ -213,7 +213,8 @@ def test_round0_is_reused_only_from_a_run_whose_start_is_known_to_be_the_identit
     """``round0_from`` borrows the base model's evaluation when the source's settings agree and its start adapter was
     the identity: shown by its round-0 adapter on disk, or — for a copied result without adapters, such as a committed
     grid cell — by the ``start_identity`` its round 0 recorded. Without either, or with a trained (non-zero B) start,
-    other evaluation settings, another precision or another device, the run evaluates round 0 itself."""
+    other evaluation settings, another precision, another device or a decode compiled in one run and eager in the
+    other, the run evaluates round 0 itself."""
     from fedspear.fl.server_app import reused_round0
     from fedspear.rundir import RunDir
 
@@ -242,6 +243,11 @@ def test_round0_is_reused_only_from_a_run_whose_start_is_known_to_be_the_identit
     assert reused_round0(RunConfig(round0_from=str(copied.path)).resolved(), trained, "fp32", "cpu") is None
     on_gpu = source("on-gpu", {"start_identity": True, "device": "cuda"})
     assert borrow(on_gpu) is None and borrow(on_gpu, device="cuda")["reused_from"] == str(on_gpu.path)
+    # compile_decode as it resolves on the device: the source's `auto` compiles on a GPU, not on the CPU
+    assert borrow(on_gpu, device="cuda", compile_decode="off") is None
+    assert borrow(on_gpu, device="cuda", compile_decode="on")["reused_from"] == str(on_gpu.path)
+    assert borrow(copied, compile_decode="off")["reused_from"] == str(copied.path)
+    assert borrow(copied, compile_decode="on") is None
 
     legacy = source("legacy", {})  # written before runs recorded their start: unprovable without the adapter
     assert not legacy.serves_round0() and borrow(legacy) is None

@@ -102,6 +102,8 @@ def test_other_settings_are_refused(tmp_path):
     with pytest.raises(ConfigError, match="lambda_l: saved 0.1 vs now 0.0"):
         run.check_or_write_config(RunConfig(lambda_l=0.0).resolved())
     run.check_or_write_config(RunConfig(output_dir="elsewhere").resolved())  # where it lives may change
+    # how it decodes may change too: a run whose compiled decode fails resumes with it off, as the error says
+    run.check_or_write_config(RunConfig(compile_decode="off").resolved())
 
 
 def test_initial_accuracy_counts_first_answers_not_prompts():

@@ -733,6 +733,8 @@ def bench(
     with_round: bool = typer.Option(True, "--round/--no-round", help="also time one full SPEAR round"),
     gradient_checkpointing: str = typer.Option("auto", "--gradient-checkpointing", help="auto | on | off: recompute "
                                                "activations in training (less memory, more time), as in run"),
+    compile_decode: str = typer.Option("auto", "--compile-decode", help="auto | on | off: also time decode through "
+                                       "the step compiled once per process (auto: on a GPU, as runs do)"),
     as_json: bool = typer.Option(False, "--json", help="print JSON instead of tables"),
     output: Optional[Path] = typer.Option(None, help="also write the JSON here (and a .md beside it)"),
     results_dir: Optional[Path] = typer.Option(None, "--results-dir", help="also write <dir>/<machine kind>-<model>-"
@@ -755,7 +757,7 @@ def bench(
                                  progress=lambda text: print(f"measuring {text}", file=sys.stderr, flush=True))
         else:
             result = run_bench(model=model, dtype=dtype, quick=quick, round_=with_round, device=device,
-                               gradient_checkpointing=gradient_checkpointing,
+                               gradient_checkpointing=gradient_checkpointing, compile_decode=compile_decode,
                                progress=lambda text: print(f"measuring {text}", file=sys.stderr, flush=True))
     except (ModelError, ValueError) as err:
         _fail(str(err))

@@ -70,9 +70,10 @@ class RunDirError(ValueError):
     """A run directory is damaged beyond repair (the message says what is wrong and what to do)."""
 
 
-# keys that may change between invocations without changing the experiment
+# keys that may change between invocations without changing the experiment (compile_decode: how decoding runs, as
+# device is where; a run whose compiled decode fails on a machine resumes there with compile_decode = "off")
 RESUME_FREE_KEYS = {"output_dir", "round_timeout", "data_dir", "round0_from", "max_empty_rounds", "tensorboard",
-                    "device", "keep_traces"}
+                    "device", "keep_traces", "compile_decode"}
 
 # Keys added with a default that differs from what runs did before them: a saved config.toml without the key was
 # made under the old behaviour, so resuming it under the new default must be refused, not silently mixed.

@@ -335,25 +335,32 @@ def train_tokens_per_s(model, dtype_used: str, batch: int, length: int, seconds:
 
 def run_bench(model: str = "smollm2-135m", dtype: str = "auto", quick: bool = False, round_: bool = True,
               output_dir: str | None = None, progress: Callable[[str], None] | None = None,
-              device: str = "auto", gradient_checkpointing: str = "auto") -> dict[str, Any]:
+              device: str = "auto", gradient_checkpointing: str = "auto",
+              compile_decode: str = "auto") -> dict[str, Any]:
     """Measure everything (see the module docstring) → a JSON-able dict.
 
     ``quick`` shrinks every size (for tests); ``round_=False`` skips the SPEAR round. ``progress(text)`` is called
     before each measurement and after each SPEAR round. ``device`` (auto | cpu | cuda): where the bounds, the
     throughputs and the rounds are measured (``auto``: a CUDA GPU when torch sees one). ``gradient_checkpointing``
     (auto | on | off, as in ``RunConfig``) applies to the training throughput and the rounds: it trades training
-    time for the memory of the activations.
+    time for the memory of the activations. ``compile_decode`` (auto | on | off, as in ``RunConfig``): where it
+    compiles (``auto``: on a GPU, as runs do), decode is timed a second time through the step compiled once per
+    process (``runtime.compiled``) → ``throughput["decode_compiled"]``, each batch with its first call's seconds
+    (the compilation for that batch's bucket) beside the timed ones.
 
     Raises:
         ModelError: the model cannot be loaded, or ``device = cuda`` without a GPU.
+        ValueError: ``compile_decode`` is not auto, on or off.
     """
     say = progress or (lambda text: None)
     from ..evaluation import evaluate
+    from ..runtime.compiled import compiles_decode
     from ..runtime.model import LoraSettings, add_lora, load_base, resolve_device, use_gradient_checkpointing
     from ..tasks import arc_challenge
 
     s = 0.2 if quick else 1.5  # seconds per micro-benchmark
     where = resolve_device(device)
+    compiles_decode(compile_decode, torch.device(where))  # a bad setting fails here, before any measurement
     out: dict[str, Any] = {
         "date": _dt.datetime.now().isoformat(timespec="seconds"),
         "machine": machine(gpu=where == "cuda"),
@@ -401,6 +408,8 @@ def run_bench(model: str = "smollm2-135m", dtype: str = "auto", quick: bool = Fa
         bound = b * bounds["memory_bandwidth_bytes_per_s"] / weight_bytes
         decode[f"batch_{b}"] = {"tokens_per_s": tps, "runs": runs, "bound_tokens_per_s": bound,
                                 "utilisation": tps / bound}
+    decode_compiled = _compiled_decode_rates(peft, tokenizer, dtype_used, compile_decode, where, quick, bounds,
+                                             weight_bytes, say)
     items = arc_challenge.load("test")[: 8 if quick else 64]
     say(f"evaluation of {len(items)} ARC-Challenge items")
     t0 = time.perf_counter()
@@ -412,8 +421,10 @@ def run_bench(model: str = "smollm2-135m", dtype: str = "auto", quick: bool = Fa
         "train": {"tokens_per_s": train, "flops": train_flop_s, "utilisation": train_flop_s / peak,
                   "batch": batch, "length": length, "logits_kept": kept},
         "decode": decode,
+        **({"decode_compiled": decode_compiled} if decode_compiled else {}),
         "evaluate": {"items_per_s": eval_items},
     }
+    out["compile_decode"] = compile_decode
     del peft, base
     if round_:
         # the rounds' server runs in this process: its peak should be the server's, not the throughputs' above
@@ -421,6 +432,39 @@ def run_bench(model: str = "smollm2-135m", dtype: str = "auto", quick: bool = Fa
         reset_peak()
         out["round"] = spear_round(model, dtype, quick, output_dir, progress=say, device=where,
                                    gradient_checkpointing=gradient_checkpointing)
+    return out
+
+
+def _compiled_decode_rates(model, tokenizer, dtype_used: str, setting: str, where: str, quick: bool,
+                           bounds: dict, weight_bytes: int, say: Callable[[str], None]) -> dict[str, Any]:
+    """Decode at batch 1 / 8 / 32 through the compiled step where ``setting`` compiles on ``where``
+    (``compiled.compiles_decode``), as ``run_bench``'s eager decode but with a zeroed static cache per call; {} where
+    it does not compile. The model decodes eagerly again afterwards."""
+    from ..runtime.compiled import compiled_decode, compiles_decode, use_compiled_decode
+
+    if not compiles_decode(setting, torch.device(where)):
+        return {}
+    use_compiled_decode(model, setting)
+    compiled = compiled_decode(model)
+    prompt, new = (16, 4) if quick else (200, 32)
+    out = {}
+    try:
+        for b in (1, 8, 32):
+            say(f"decode at batch {b}, compiled")
+            def per_call(b=b):
+                return compiled.generate_kwargs(model, b, prompt + new)
+            timing = dict(merge=False, cache="transformers", per_call=per_call)
+            start = time.perf_counter()
+            decode_tokens_per_s(model, tokenizer, dtype_used, b, prompt, new, repeats=0, **timing)
+            first = time.perf_counter() - start
+            runs = decode_tokens_per_s(model, tokenizer, dtype_used, b, prompt, new, repeats=1 if quick else 3,
+                                       **timing)
+            tps = statistics.median(runs)
+            bound = b * bounds["memory_bandwidth_bytes_per_s"] / weight_bytes
+            out[f"batch_{b}"] = {"tokens_per_s": tps, "runs": runs, "bound_tokens_per_s": bound,
+                                 "utilisation": tps / bound, "first_call_seconds": first}
+    finally:
+        use_compiled_decode(model, "off")
     return out
 
 
@@ -790,6 +834,10 @@ def render(result: dict[str, Any]) -> str:
     for name, d in t["decode"].items():
         lines.append(f"| decode {name.replace('_', ' ')} | {d['tokens_per_s']:.0f} tokens/s (bound "
                      f"{d['bound_tokens_per_s']:.0f}) | {d['utilisation']:.0%} of bandwidth |")
+    for name, d in t.get("decode_compiled", {}).items():
+        lines.append(f"| decode {name.replace('_', ' ')}, compiled (first call {d['first_call_seconds']:.1f} s) | "
+                     f"{d['tokens_per_s']:.0f} tokens/s (bound {d['bound_tokens_per_s']:.0f}) | "
+                     f"{d['utilisation']:.0%} of bandwidth |")
     lines.append(f"| central evaluation | {t['evaluate']['items_per_s']:.2f} items/s | – |")
     if "round" in result:
         r = result["round"]

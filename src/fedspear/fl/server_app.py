@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Callable
 
 import numpy as np
+import torch
 from flwr.app import ConfigRecord, Context, Message, MessageType, RecordDict
 from flwr.serverapp import Grid, ServerApp
 
@@ -27,6 +28,7 @@ from fedspear import counters, progress
 from fedspear.answers import copy_eval_answers, write_eval_answers
 from fedspear.health import round_health, warnings_for
 from fedspear.arrays import layout_mismatch
+from fedspear.runtime.compiled import compiles_decode
 from fedspear.runtime.memory import peak_rss_mb, release_memory, tree_peak
 from fedspear.runtime.model import model_device
 from fedspear.tasks import load_train_examples
@@ -62,7 +64,9 @@ def _is_identity(arrays: dict[str, np.ndarray]) -> bool:
 def reused_round0(cfg: RunConfig, arrays: dict[str, np.ndarray], dtype_used: str, device: str) -> dict | None:
     """The round-0 evaluation of ``cfg.round0_from`` when it is provably the same measurement, else None.
 
-    Same when the other run's resolved settings (its ``config.toml``) agree on ``ROUND0_KEYS``, its round 0 ran in
+    Same when the other run's resolved settings (its ``config.toml``) agree on ``ROUND0_KEYS`` and on whether the
+    decode is compiled on this device (``compile_decode``, as ``runtime.compiled.compiles_decode`` resolves it), its
+    round 0 ran in
     the same precision on the same kind of device (the record's ``dtype`` and ``device`` against this run's resolved
     ``dtype_used`` and ``device``: ``dtype = "auto"`` resolves differently on other machines; a record without
     ``device`` predates the field and is taken as a CPU run, as every run of this project then was), and both start
@@ -84,6 +88,9 @@ def reused_round0(cfg: RunConfig, arrays: dict[str, np.ndarray], dtype_used: str
         return None
     if any(getattr(other_cfg, k) != getattr(cfg, k) for k in ROUND0_KEYS):
         return None
+    if compiles_decode(other_cfg.compile_decode, torch.device(device)) != compiles_decode(cfg.compile_decode,
+                                                                                         torch.device(device)):
+        return None  # a compiled and an eager greedy decode agree up to bf16 rounding only
     log.info("round-0 evaluation reused from %s (same base model, items and settings)", cfg.round0_from)
     return {**other.records()[0]["eval"], "reused_from": str(cfg.round0_from)}
 

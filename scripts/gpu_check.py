@@ -64,9 +64,9 @@ def _qwen_source(qwen_from: str | None, scratch: Path) -> Path | None:
 
     if qwen_from:
         return Path(qwen_from)
-    cached = sorted(cache_root().glob(f"models/{QWEN}-*/config.json"))
+    cached = sorted(cache_root().glob(f"models/{QWEN}-*/config.json"), key=lambda f: f.stat().st_mtime)
     if cached:
-        return cached[-1].parent
+        return cached[-1].parent  # the newest export (a folder's name ends in a hash, not a date)
     try:
         gguf = join_split_gguf(QWEN)
     except ModelError as err:

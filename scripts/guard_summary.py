@@ -174,7 +174,7 @@ def tables(s: dict) -> str:
                 f"| {e['reasoning']:.0%} | {e['yes']} / {e['no']} / {e['unparsed']} ({e['gold_yes']} / {e['gold_no']}) "
                 f"| {e['top_share']:.0%} | {'; '.join(c['collapsed']) if label != '0' else ''} |")
     lines += ["", "| cell | round | wins (initial / revised) | initial acc | initial tokens mean | initial reasoning | "
-              "revision tokens mean | revision reasoning | bare share of revised wins | dropped by the guard |",
+              "revision tokens mean | revision reasoning | bare share of right revisions | dropped by the guard |",
               "|---|---|---|---|---|---|---|---|---|---|"]
     fmt = lambda v, f: "–" if v is None else format(v, f)  # noqa: E731
     for name, c in sorted(s["cells"].items(), key=lambda kv: (kv[1]["seed"], kv[1]["arm"])):

@@ -271,36 +271,27 @@ def client_round(args) -> int:
 
 def decode_step(worker, batch: int, prompt: int, new: int) -> dict:
     """The round's own decode, timed step by step on ``worker``'s model after its rounds: greedy, ``batch`` rows of a
-    ``prompt``-token random prompt, ``new`` tokens each (``bench.decode_tokens_per_s``: the prefill excluded; three
+    ``prompt``-token random prompt, ``new`` tokens each (``bench.timed_decode``: the prefill excluded; two
     timed calls after a first, untimed one) — through the compiled step and its static cache where the worker
     compiles its decode (the bucket the round used at batch 32, so no new graph), else eagerly as the round decodes.
     → ``{"batch", "compiled", "ms_per_step", "runs_ms_per_step", "first_call_seconds"}``."""
-    from fedspear.experiments.bench import decode_tokens_per_s
+    from fedspear.experiments.bench import timed_decode
     from fedspear.runtime.compiled import compiled_decode
 
-    model, compiled = worker.model, compiled_decode(worker.model)
-    per_call = (lambda: compiled.generate_kwargs(model, batch, prompt + new)) if compiled is not None else None
-    start = time.perf_counter()
-    decode_tokens_per_s(model, worker.tokenizer, worker.dtype_used, batch, prompt, new, repeats=0,
-                        merge=False if compiled is not None else None,
-                        cache="transformers" if compiled is not None else "fedspear", per_call=per_call)
-    first = time.perf_counter() - start
-    rates = decode_tokens_per_s(model, worker.tokenizer, worker.dtype_used, batch, prompt, new, repeats=2,
-                                merge=False if compiled is not None else None,
-                                cache="transformers" if compiled is not None else "fedspear", per_call=per_call)
+    first, rates = timed_decode(worker.model, worker.tokenizer, worker.dtype_used, batch, prompt, new, repeats=2)
     runs = [1e3 * batch / r for r in rates]
-    out = {"batch": batch, "compiled": compiled is not None, "prompt": prompt, "new_tokens": new,
+    out = {"batch": batch, "compiled": compiled_decode(worker.model) is not None, "prompt": prompt, "new_tokens": new,
            "ms_per_step": statistics.median(runs), "runs_ms_per_step": runs, "first_call_seconds": first}
     _say(f"decode at batch {batch} ({'compiled' if out['compiled'] else 'eager'}): {out['ms_per_step']:.1f} ms per "
          f"step (runs {', '.join(f'{r:.1f}' for r in runs)}; first call {first:.1f} s)")
     try:  # where a step's time goes; never fails the step
-        out["profile"] = profile_decode(worker, batch, prompt, new, per_call)
+        out["profile"] = profile_decode(worker, batch, prompt, new)
     except Exception as err:  # noqa: BLE001 - a diagnostic: say why and go on
         _say(f"decode profile not taken: {type(err).__name__}: {err}")
     return out
 
 
-def profile_decode(worker, batch: int, prompt: int, new: int, per_call) -> dict:
+def profile_decode(worker, batch: int, prompt: int, new: int) -> dict:
     """One more such ``generate`` call under ``torch.profiler`` (CPU, and CUDA where there is a GPU): its wall time,
     the time the GPU spent in kernels and how many it ran, per new token (the call's one prefill included: ≈ 1/``new``
     of it), and the ten kernels that took longest. Kernel time far below the wall time means a step waits on the host
@@ -310,15 +301,13 @@ def profile_decode(worker, batch: int, prompt: int, new: int, per_call) -> dict:
     from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile
 
-    from fedspear.experiments.bench import decode_tokens_per_s
+    from fedspear.experiments.bench import timed_decode
 
     gpu = torch.cuda.is_available() and next(worker.model.parameters()).is_cuda
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if gpu else [])
     with profile(activities=activities) as prof:
         start = time.perf_counter()
-        decode_tokens_per_s(worker.model, worker.tokenizer, worker.dtype_used, batch, prompt, new, repeats=0,
-                            merge=False if per_call else None, cache="transformers" if per_call else "fedspear",
-                            per_call=per_call)
+        timed_decode(worker.model, worker.tokenizer, worker.dtype_used, batch, prompt, new, repeats=0)
         wall = time.perf_counter() - start
     kernels = [e for e in prof.key_averages() if e.device_type == DeviceType.CUDA]
     def device_us(e) -> float:

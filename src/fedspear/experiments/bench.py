@@ -281,7 +281,7 @@ def decode_cache(model, cache: str, capacity: int) -> dict:
 @torch.no_grad()
 def decode_tokens_per_s(model, tokenizer, dtype_used: str, batch: int, prompt: int, new: int, repeats: int = 3,
                         merge: bool | None = None, cache: str = "fedspear", per_call: Callable[[], dict] | None = None,
-                        **generate_kwargs) -> list[float]:
+                        first_call: list[float] | None = None, **generate_kwargs) -> list[float]:
     """Greedy decoding of exactly ``new`` tokens per row after a ``prompt``-token prefill, timed step by step
     (``StepClock``: the prefill excluded): decode tokens/s of each of ``repeats`` calls after a warm-up call. The
     adapter is merged into the weights when fedspear's generation would merge it (``merges_adapter``) unless
@@ -289,6 +289,7 @@ def decode_tokens_per_s(model, tokenizer, dtype_used: str, batch: int, prompt: i
     ``cpu_kernels.preallocated_cache``) or transformers' default (``"transformers"``); ``generate_kwargs`` go to
     ``generate`` (e.g. a static cache, with ``cache = "transformers"``); ``per_call()``, when given, returns more of
     them afresh for every call (a compiled decode's zeroed static cache: ``CompiledDecode.generate_kwargs``).
+    ``first_call``, when given, gets the warm-up call's wall seconds appended (a compiled step's compilation).
 
     Raises:
         ValueError: ``new`` < 2 (no decode step to time).
@@ -305,7 +306,8 @@ def decode_tokens_per_s(model, tokenizer, dtype_used: str, batch: int, prompt: i
     model.eval()
     merge = merges_adapter(model, dtype_used) if merge is None else merge
     rates = []
-    for _ in range(repeats + 1):
+    for i in range(repeats + 1):
+        start = time.perf_counter()
         clock = StepClock(device)
         extra = dict(generate_kwargs, **decode_cache(model, cache, prompt + new), **(per_call() if per_call else {}))
         with autocast(dtype_used, device.type), merged_adapter(model, enabled=merge):
@@ -313,7 +315,24 @@ def decode_tokens_per_s(model, tokenizer, dtype_used: str, batch: int, prompt: i
                            do_sample=False, pad_token_id=tokenizer.pad_token_id, use_cache=True,
                            logits_processor=LogitsProcessorList([clock]), **extra)
         rates.append(clock.tokens_per_s(batch))
+        if i == 0 and first_call is not None:
+            first_call.append(time.perf_counter() - start)
     return rates[1:]
+
+
+def timed_decode(model, tokenizer, dtype_used: str, batch: int, prompt: int, new: int,
+                 repeats: int) -> tuple[float, list[float]]:
+    """``decode_tokens_per_s`` the way ``model`` decodes in a round: through its compiled step (a zeroed static
+    cache per call, no merging) where it has one (``runtime.compiled.use_compiled_decode``), else eagerly →
+    (the warm-up call's wall seconds, decode tokens/s of each of the ``repeats`` calls after it)."""
+    from ..runtime.compiled import compiled_decode
+
+    compiled, first = compiled_decode(model), []
+    timing = {} if compiled is None else dict(
+        merge=False, cache="transformers", per_call=lambda: compiled.generate_kwargs(model, batch, prompt + new))
+    runs = decode_tokens_per_s(model, tokenizer, dtype_used, batch, prompt, new, repeats=repeats, first_call=first,
+                               **timing)
+    return first[0], runs
 
 
 def train_tokens_per_s(model, dtype_used: str, batch: int, length: int, seconds: float, kept: int = 16) -> float:
@@ -440,25 +459,17 @@ def _compiled_decode_rates(model, tokenizer, dtype_used: str, setting: str, wher
     """Decode at batch 1 / 8 / 32 through the compiled step where ``setting`` compiles on ``where``
     (``compiled.compiles_decode``), as ``run_bench``'s eager decode but with a zeroed static cache per call; {} where
     it does not compile. The model decodes eagerly again afterwards."""
-    from ..runtime.compiled import compiled_decode, compiles_decode, use_compiled_decode
+    from ..runtime.compiled import compiles_decode, use_compiled_decode
 
     if not compiles_decode(setting, torch.device(where)):
         return {}
     use_compiled_decode(model, setting)
-    compiled = compiled_decode(model)
     prompt, new = (16, 4) if quick else (200, 32)
     out = {}
     try:
         for b in (1, 8, 32):
             say(f"decode at batch {b}, compiled")
-            def per_call(b=b):
-                return compiled.generate_kwargs(model, b, prompt + new)
-            timing = dict(merge=False, cache="transformers", per_call=per_call)
-            start = time.perf_counter()
-            decode_tokens_per_s(model, tokenizer, dtype_used, b, prompt, new, repeats=0, **timing)
-            first = time.perf_counter() - start
-            runs = decode_tokens_per_s(model, tokenizer, dtype_used, b, prompt, new, repeats=1 if quick else 3,
-                                       **timing)
+            first, runs = timed_decode(model, tokenizer, dtype_used, b, prompt, new, repeats=1 if quick else 3)
             tps = statistics.median(runs)
             bound = b * bounds["memory_bandwidth_bytes_per_s"] / weight_bytes
             out[f"batch_{b}"] = {"tokens_per_s": tps, "runs": runs, "bound_tokens_per_s": bound,

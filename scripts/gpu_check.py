@@ -296,7 +296,9 @@ def profile_decode(worker, batch: int, prompt: int, new: int) -> dict:
     the time the GPU spent in kernels and how many it ran, per new token (the call's one prefill included: ≈ 1/``new``
     of it), and the ten kernels that took longest. Kernel time far below the wall time means a step waits on the host
     (Python, launches, synchronisation), not on the GPU. → ``{"wall_ms_per_step", "kernel_ms_per_step",
-    "kernels_per_step", "top_kernels": [[name, ms per step], ...]}``."""
+    "kernels_per_step", "top_kernels": [[name, ms per step], ...], "top_host_ops": [[name, ms per step], ...]}``
+    (host ops: the ten operations with the most CPU time of their own, e.g. the CUDA-graph replay, sampling, the
+    generate loop's own tensor work; where a step waits on the host, these say on what)."""
     import torch
     from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile
@@ -313,9 +315,12 @@ def profile_decode(worker, batch: int, prompt: int, new: int) -> dict:
     def device_us(e) -> float:
         return getattr(e, "self_device_time_total", None) or getattr(e, "self_cuda_time_total", 0.0)
     top = sorted(kernels, key=device_us, reverse=True)[:10]
+    host = sorted((e for e in prof.key_averages() if e.device_type == DeviceType.CPU),
+                  key=lambda e: e.self_cpu_time_total, reverse=True)[:10]
     out = {"wall_ms_per_step": 1e3 * wall / new, "kernel_ms_per_step": sum(map(device_us, kernels)) / 1e3 / new,
            "kernels_per_step": sum(e.count for e in kernels) / new,
-           "top_kernels": [[e.key[:120], device_us(e) / 1e3 / new] for e in top]}
+           "top_kernels": [[e.key[:120], device_us(e) / 1e3 / new] for e in top],
+           "top_host_ops": [[e.key[:120], e.self_cpu_time_total / 1e3 / new] for e in host]}
     _say(f"decode profile at batch {batch}: {out['wall_ms_per_step']:.1f} ms per step of wall time (profiled), "
          f"{out['kernel_ms_per_step']:.2f} ms of GPU kernels in {out['kernels_per_step']:.0f} kernels per step")
     return out
@@ -413,10 +418,13 @@ def summary(args) -> int:
                 how = "compiled" if d["compiled"] else "eager"
                 lines.append(f"{name} decode afterwards at batch {d['batch']}: {d['ms_per_step']:.1f} ms per step "
                              f"({how}; first call {d['first_call_seconds']:.1f} s)")
-            prof = d.get("profile")
+            prof = (d or {}).get("profile")
             if prof:
                 lines.append(f"{name} decode profiled: {prof['wall_ms_per_step']:.1f} ms of wall time per step, "
                              f"{prof['kernel_ms_per_step']:.2f} ms of it in {prof['kernels_per_step']:.0f} GPU kernels")
+                if prof.get("top_host_ops"):
+                    lines.append(f"{name} decode's host time per step, most first: " + ", ".join(
+                        f"{op} {ms:.2f} ms" for op, ms in prof["top_host_ops"][:5]))
             lines.append("")
     bench = out.get("bench", {}).get("throughput", {})
     if bench:

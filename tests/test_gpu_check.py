@@ -64,6 +64,9 @@ def test_a_paper_preset_round_on_a_random_model_of_an_exports_shape(tmp_path):
     (row,) = result["rounds"]
     assert result["prompts"] == 4 and row["steps"] >= 1 and row["tokens_generated"] > 0
     assert result["config"]["max_revisions"] == "2" and result["config"]["task"] == "strategy_qa"
+    profile = result["decode"]["profile"]  # on the CPU: no kernels, the host's own operations
+    assert profile["kernels_per_step"] == 0 and len(profile["top_host_ops"]) == 10
+    assert all(ms >= 0 for _, ms in profile["top_host_ops"]) and profile["top_host_ops"][0][1] > 0
     if "compile_decode" not in RunConfig.__dataclass_fields__:  # before the compiled decode: skipped, not failed
         skipped = _steps("round", "--model", str(model), "--rounds", "1", "--small", "--set", "compile_decode=on",
                          "--out", str(tmp_path / "c.json"), env=cache)
@@ -88,7 +91,9 @@ def test_summary_gathers_every_step(tmp_path):
         {"round": 2, "seconds": 10.0}], "decode": {"batch": 32, "compiled": False, "ms_per_step": 48.0,
                                                     "first_call_seconds": 2.5, "profile": {
                                                         "wall_ms_per_step": 50.0, "kernel_ms_per_step": 4.25,
-                                                        "kernels_per_step": 1200.0, "top_kernels": []}}}))
+                                                        "kernels_per_step": 1200.0, "top_kernels": [],
+                                                        "top_host_ops": [["aten::sort", 3.0],
+                                                                         ["cudaGraphLaunch", 0.25]]}}}))
     (tmp_path / "bench.json").write_text(json.dumps({"throughput": {
         "prefill": {"utilisation": 0.14}, "train": {"utilisation": 0.04},
         "decode": {"batch_32": {"tokens_per_s": 640.0, "utilisation": 0.04}}}}))
@@ -102,6 +107,7 @@ def test_summary_gathers_every_step(tmp_path):
     assert "decode batch 32 50.0 ms/step (4% of bandwidth)" in text
     assert "round-eager decode afterwards at batch 32: 48.0 ms per step (eager; first call 2.5 s)" in text
     assert "round-eager decode profiled: 50.0 ms of wall time per step, 4.25 ms of it in 1200 GPU kernels" in text
+    assert "round-eager decode's host time per step, most first: aten::sort 3.00 ms, cudaGraphLaunch 0.25 ms" in text
     # issue 40's targets where measured: 48.0 and 50.0 ms > 12 (no), round 2 (warm) 10.0 s ≤ 12 (yes), 4% < 25%,
     # 14% < 40%
     assert "| decode at batch 32 ≤ 12 ms per step (eager) | 55.7 ms | 48.0 ms | **no** |" in text

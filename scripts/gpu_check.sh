@@ -21,13 +21,17 @@
 #                   5 steps × 16) with compile_decode = on (round 1 includes compiling, round 2 is warm), then their
 #                   decode step timed at batch 32 and profiled (kernel time against wall time per step; torch's
 #                   graph-break, recompile and CUDA-graph hints in the log); skipped where fedspear has no such key
-#   5. bench        `fedspear bench --device cuda --no-round` on it (no Flower needed without the round)
-#   6. tests        the `gpu`-marked tests and tests/test_device.py
-#   7. round-eager  the same rounds and decode timing with compile_decode = off (the same-machine baseline)
-#   8. flwr-run     a real `fedspear` federation through Flower's deployment engine (examples/deploy-local: a TLS
+#   5. clients      a 5-client round: the same two rounds in 5 processes at once on the one GPU, each its own model
+#                   and share of the prompts, each round started together (what Flower's simulation does with
+#                   client_gpus = 0.2, without Ray, which cannot be carried); compile_decode = on, inductor's cache
+#                   warm from round-compiled. CLIENTS=n for another count
+#   6. bench        `fedspear bench --device cuda --no-round` on it (no Flower needed without the round)
+#   7. tests        the `gpu`-marked tests and tests/test_device.py
+#   8. round-eager  the same rounds and decode timing with compile_decode = off (the same-machine baseline)
+#   9. flwr-run     a real `fedspear` federation through Flower's deployment engine (examples/deploy-local: a TLS
 #                   SuperLink, 2 SuperNodes, 1 round, tiny-random model on the GPU): Flower installed from the
 #                   carried wheels when missing; skipped, saying why, when they cannot be installed
-#   9. summary      <kind>-gpu-check.json / .md (kind = the GPU's name, e.g. cuda-nvidia-h100-80gb-hbm3) and .log,
+#  10. summary      <kind>-gpu-check.json / .md (kind = the GPU's name, e.g. cuda-nvidia-h100-80gb-hbm3) and .log,
 #                   and the bench's <kind>-<model>-bf16.json / .md, written to docs/results/bench/ and copied to $OUT
 #
 # With the `run` tool of this workplace (a copy of the checkout; carried paths travel beside it, 64 MiB in all;
@@ -150,6 +154,16 @@ elif [ -n "$MODEL" ]; then
   skip round-compiled "this fedspear has no compile_decode key (the compiled decode is not merged yet)"
 else
   skip round-compiled "no model (step model)"
+fi
+
+# 5b. a 5-client round: the same rounds in CLIENTS processes at once on the GPU (on a CPU dry run: 2, eager decode)
+if [ -n "$MODEL" ] && [ "$HAS_COMPILE" = 1 ]; then
+  NCLIENTS=${CLIENTS:-$([ "$MODE" = dry ] && echo 2 || echo 5)}
+  step clients 300 "$PY" scripts/gpu_check.py clients --model "$MODEL" --task strategy_qa --clients "$NCLIENTS" \
+    --rounds 2 $SMALL --set compile_decode=$([ "$MODE" = dry ] && echo off || echo on) --out "$RES/clients.json" \
+    || true
+else
+  skip clients "no model (step model) or no compile_decode key"
 fi
 
 # 6. bench on that model (no round: that needs Flower's simulation, i.e. Ray, which cannot be carried)

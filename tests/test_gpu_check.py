@@ -67,10 +67,37 @@ def test_a_paper_preset_round_on_a_random_model_of_an_exports_shape(tmp_path):
     profile = result["decode"]["profile"]  # on the CPU: no kernels, the host's own operations
     assert profile["kernels_per_step"] == 0 and len(profile["top_host_ops"]) == 10
     assert all(ms >= 0 for _, ms in profile["top_host_ops"]) and profile["top_host_ops"][0][1] > 0
+    # two clients side by side (the 5-client step at toy size): one process each, their own shares, started together
+    side = tmp_path / "clients.json"
+    proc = _steps("clients", "--model", str(model), "--clients", "2", "--rounds", "1", "--small", "--set",
+                  "compile_decode=off", "--out", str(side), env=cache)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    both = json.loads(side.read_text())
+    (r,) = both["rounds"]
+    firsts = [c["rounds"][0] for c in both["per_client"]]
+    assert both["clients"] == 2 and [c["client"] for c in both["per_client"]] == [0, 1]
+    assert all(c["decode"] is None for c in both["per_client"])  # no decode timing in a side-by-side process
+    assert max(f["started"] for f in firsts) - min(f["started"] for f in firsts) < 5  # the barrier: together
+    assert r["wall_seconds"] >= max(r["client_seconds"]) - 0.05 and r["client_seconds"] == [f["seconds"]
+                                                                                             for f in firsts]
+    assert r["tokens_generated"] == sum(f["tokens_generated"] for f in firsts) > 0
+    assert "2 client-rounds side by side" in proc.stdout
     if "compile_decode" not in RunConfig.__dataclass_fields__:  # before the compiled decode: skipped, not failed
         skipped = _steps("round", "--model", str(model), "--rounds", "1", "--small", "--set", "compile_decode=on",
                          "--out", str(tmp_path / "c.json"), env=cache)
         assert skipped.returncode == 3 and "skipped: unknown config key(s) compile_decode" in skipped.stdout
+
+
+def test_the_barrier_waits_for_every_party_and_says_which_round_it_gave_up_on(tmp_path):
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("gpu_check", STEPS)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    (tmp_path / "round-1-client-1").touch()  # the other party is ready already: no wait
+    module.wait_for_parties(tmp_path, 1, 0, 2, timeout=5)
+    with pytest.raises(TimeoutError, match="round 2: not all 2 clients ready after 0 s"):
+        module.wait_for_parties(tmp_path, 2, 0, 2, timeout=0.2)
 
 
 def test_flwr_is_left_as_it_is_and_a_missing_wheel_is_a_skip(tmp_path):
@@ -94,6 +121,8 @@ def test_summary_gathers_every_step(tmp_path):
                                                         "kernels_per_step": 1200.0, "top_kernels": [],
                                                         "top_host_ops": [["aten::sort", 3.0],
                                                                          ["cudaGraphLaunch", 0.25]]}}}))
+    (tmp_path / "clients.json").write_text(json.dumps({"clients": 5, "prompts": 32, "overrides": {
+        "compile_decode": "on"}, "rounds": [{"round": 1, "wall_seconds": 100.0}, {"round": 2, "wall_seconds": 40.0}]}))
     (tmp_path / "bench.json").write_text(json.dumps({"throughput": {
         "prefill": {"utilisation": 0.14}, "train": {"utilisation": 0.04},
         "decode": {"batch_32": {"tokens_per_s": 640.0, "utilisation": 0.04}}}}))
@@ -105,6 +134,9 @@ def test_summary_gathers_every_step(tmp_path):
     assert ("round-eager: 32 prompts, round 1 20.0 s (generation 15.0 s, training 1.5 s, 14336 tokens, peak 16.5 GiB)"
             in text)
     assert "decode batch 32 50.0 ms/step (4% of bandwidth)" in text
+    assert ("clients: 5 client-rounds side by side on the GPU (one process each, 32 prompts each, {'compile_decode': "
+            "'on'}): round 1 100.0 s in all, 20.0 s per client-round; round 2 40.0 s in all, 8.0 s per client-round"
+            in text)
     assert "round-eager decode afterwards at batch 32: 48.0 ms per step (eager; first call 2.5 s)" in text
     assert "round-eager decode profiled: 50.0 ms of wall time per step, 4.25 ms of it in 1200 GPU kernels" in text
     assert "round-eager decode's host time per step, most first: aten::sort 3.00 ms, cudaGraphLaunch 0.25 ms" in text

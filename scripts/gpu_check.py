@@ -248,6 +248,15 @@ def client_round(args) -> int:
          f"({worker.dtype_used})")
     gpu = torch.cuda.is_available() and str(cfg.device) != "cpu"
     arrays, rounds = get_adapter(worker.model), []
+
+    def write(decode: dict | None) -> None:  # after every round: a step stopped by its time limit keeps its rounds
+        Path(args.out).write_text(json.dumps({
+            "task": args.task, "preset": "paper", "overrides": overrides, "prompts": items, "client": args.client,
+            "load_seconds": load_s,
+            "dtype": worker.dtype_used, "device": torch.cuda.get_device_name() if gpu else "cpu", "rounds": rounds,
+            "decode": decode,
+            "config": {k: str(getattr(cfg, k)) for k in cfg.__dataclass_fields__}}, indent=1) + "\n")
+
     for r in range(1, args.rounds + 1):
         if gpu:
             torch.cuda.synchronize()
@@ -267,14 +276,9 @@ def client_round(args) -> int:
              f"{row.get('seconds_generate_revisions', 0):.1f} s, training {row.get('seconds_train', 0):.1f} s), "
              f"{row.get('tokens_generated', 0):.0f} tokens generated"
              + (f", peak GPU memory {row['peak_gpu_gib']:.1f} GiB" if gpu else ""))
-    decode = None if args.no_decode else decode_step(worker, args.decode_batch, 8 if args.small else 200,
-                                                     8 if args.small else 64)
-    Path(args.out).write_text(json.dumps({
-        "task": args.task, "preset": "paper", "overrides": overrides, "prompts": items, "client": args.client,
-        "load_seconds": load_s,
-        "dtype": worker.dtype_used, "device": torch.cuda.get_device_name() if gpu else "cpu", "rounds": rounds,
-        "decode": decode,
-        "config": {k: str(getattr(cfg, k)) for k in cfg.__dataclass_fields__}}, indent=1) + "\n")
+        write(None)
+    if not args.no_decode:
+        write(decode_step(worker, args.decode_batch, 8 if args.small else 200, 8 if args.small else 64))
     return 0
 
 
@@ -296,9 +300,18 @@ def wait_for_parties(folder: Path, round_: int, client: int, parties: int, timeo
 
 def clients(args) -> int:
     """``--clients`` processes of ``round`` at once (``--client`` 0 … K − 1, a barrier before each round, no decode
-    timing after) → ``--out`` JSON: per round the wall time from the first start to the last end, each client's
-    seconds and peak GPU memory, and each process's own record (``per_client``). Exit 1 if any process fails (its
-    log's tail is printed), 3 if ``round`` skips (an unknown ``--set`` key)."""
+    timing after) → ``--out`` JSON: per round that every client finished, the wall time from the first start to the
+    last end, each client's seconds and peak GPU memory, and each process's own record (``per_client``).
+
+    The processes are stopped (SIGTERM, then SIGKILL 10 s later) at ``--deadline`` seconds (default: ``$STEP_LIMIT``
+    less 30 s, the step's own limit; none without it) or when this process is sent SIGTERM, so none is left on the
+    GPU; the rounds all of them finished are kept. Exit 1 if a process failed (its log's tail is printed) or no round
+    was finished by all, 3 if ``round`` skipped (an unknown ``--set`` key)."""
+    import signal
+
+    limit = args.deadline if args.deadline is not None else (
+        float(os.environ["STEP_LIMIT"]) - 30 if os.environ.get("STEP_LIMIT") else None)
+    deadline = None if limit is None else time.monotonic() + limit
     scratch = Path(args.out).with_suffix(".d")
     shutil.rmtree(scratch, ignore_errors=True)
     scratch.mkdir(parents=True)
@@ -310,19 +323,48 @@ def clients(args) -> int:
                    *[f"--set={kv}" for kv in args.set], *(["--small"] if args.small else [])]
         log = open(scratch / f"client-{i}.log", "w")
         procs.append((subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT), log))
-    codes = []
-    for proc, log in procs:
-        codes.append(proc.wait())
-        log.close()
-    if any(codes):
+
+    def stop(*_):
+        for proc, _log in procs:
+            if proc.poll() is None:
+                proc.terminate()
+        end = time.monotonic() + 10
+        for proc, _log in procs:
+            try:
+                proc.wait(timeout=max(0.1, end - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+
+    previous = signal.signal(signal.SIGTERM, lambda *_: (stop(), sys.exit(1)))
+    try:
+        while any(proc.poll() is None for proc, _ in procs):
+            if deadline is not None and time.monotonic() > deadline:
+                _say(f"stopping the clients: {limit:.0f} s are up")
+                stop()
+                break
+            time.sleep(0.2)
+    finally:
+        stop()
+        signal.signal(signal.SIGTERM, previous)
+        for _proc, log in procs:
+            log.close()
+    codes = [proc.returncode for proc, _ in procs]
+    timed_out = deadline is not None and time.monotonic() > deadline
+    if any(codes) and not timed_out:
         for i, code in enumerate(codes):
             if code:
                 tail = (scratch / f"client-{i}.log").read_text(errors="replace")[-1500:]
                 _say(f"client {i} exited {code}:\n{tail}")
         return 3 if all(c == 3 for c in codes) else 1
-    per_client = [json.loads((scratch / f"client-{i}.json").read_text()) for i in range(args.clients)]
+    files = [scratch / f"client-{i}.json" for i in range(args.clients)]
+    per_client = [json.loads(f.read_text()) if f.exists() else {"rounds": []} for f in files]
+    finished = min(len(c["rounds"]) for c in per_client)
+    if not finished:
+        _say(f"no round finished by all {args.clients} clients")
+        return 1
     rounds = []
-    for r in range(args.rounds):
+    for r in range(finished):
         rows = [c["rounds"][r] for c in per_client]
         wall = max(x["ended"] for x in rows) - min(x["started"] for x in rows)
         rounds.append({"round": rows[0]["round"], "wall_seconds": wall,
@@ -332,7 +374,10 @@ def clients(args) -> int:
         _say(f"round {rounds[-1]['round']}: {args.clients} client-rounds side by side in {wall:.1f} s "
              f"({wall / args.clients:.1f} s per client-round; each took "
              f"{', '.join(f'{x:.1f}' for x in rounds[-1]['client_seconds'])} s)")
+    if finished < args.rounds:
+        _say(f"{finished} of {args.rounds} rounds finished by all {args.clients} clients before the deadline")
     Path(args.out).write_text(json.dumps({"clients": args.clients, "prompts": per_client[0]["prompts"],
+                                          "stopped_at_deadline": timed_out,
                                           "overrides": per_client[0]["overrides"], "rounds": rounds,
                                           "per_client": per_client}, indent=1) + "\n")
     return 0
@@ -549,6 +594,7 @@ def main() -> int:
     p.add_argument("--model", required=True)
     p.add_argument("--task", default="strategy_qa")
     p.add_argument("--clients", type=int, default=5)
+    p.add_argument("--deadline", type=float, help="seconds; default $STEP_LIMIT - 30 where set")
     p.add_argument("--rounds", type=int, default=2)
     p.add_argument("--out", required=True)
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE")

@@ -81,11 +81,29 @@ def test_a_paper_preset_round_on_a_random_model_of_an_exports_shape(tmp_path):
     assert r["wall_seconds"] >= max(r["client_seconds"]) - 0.05 and r["client_seconds"] == [f["seconds"]
                                                                                              for f in firsts]
     assert r["tokens_generated"] == sum(f["tokens_generated"] for f in firsts) > 0
-    assert "2 client-rounds side by side" in proc.stdout
+    assert "2 client-rounds side by side" in proc.stdout and both["stopped_at_deadline"] is False
+    # a deadline before any round ends: the processes are stopped (none left running), the step fails saying so
+    late = tmp_path / "late.json"
+    proc = _steps("clients", "--model", str(model), "--clients", "2", "--rounds", "1", "--small", "--deadline", "2",
+                  "--out", str(late), env=cache)
+    assert proc.returncode == 1 and "no round finished by all 2 clients" in proc.stdout
+    assert _processes_naming(late.with_suffix(".d")) == [] and not late.exists()
     if "compile_decode" not in RunConfig.__dataclass_fields__:  # before the compiled decode: skipped, not failed
         skipped = _steps("round", "--model", str(model), "--rounds", "1", "--small", "--set", "compile_decode=on",
                          "--out", str(tmp_path / "c.json"), env=cache)
         assert skipped.returncode == 3 and "skipped: unknown config key(s) compile_decode" in skipped.stdout
+
+
+def _processes_naming(path: Path) -> list[str]:
+    """PIDs of the processes whose command line names ``path`` (from /proc; none where there is no /proc)."""
+    found = []
+    for cmdline in Path("/proc").glob("[0-9]*/cmdline"):
+        try:
+            if str(path) in cmdline.read_bytes().decode(errors="replace"):
+                found.append(cmdline.parent.name)
+        except OSError:  # ended meanwhile
+            continue
+    return found
 
 
 def test_the_barrier_waits_for_every_party_and_says_which_round_it_gave_up_on(tmp_path):

@@ -250,12 +250,14 @@ def client_round(args) -> int:
     arrays, rounds = get_adapter(worker.model), []
 
     def write(decode: dict | None) -> None:  # after every round: a step stopped by its time limit keeps its rounds
-        Path(args.out).write_text(json.dumps({
+        tmp = Path(args.out).with_name(Path(args.out).name + ".tmp")  # then renamed: a kill never leaves half a file
+        tmp.write_text(json.dumps({
             "task": args.task, "preset": "paper", "overrides": overrides, "prompts": items, "client": args.client,
             "load_seconds": load_s,
             "dtype": worker.dtype_used, "device": torch.cuda.get_device_name() if gpu else "cpu", "rounds": rounds,
             "decode": decode,
             "config": {k: str(getattr(cfg, k)) for k in cfg.__dataclass_fields__}}, indent=1) + "\n")
+        os.replace(tmp, args.out)
 
     for r in range(1, args.rounds + 1):
         if gpu:
@@ -337,10 +339,12 @@ def clients(args) -> int:
                 proc.wait()
 
     previous = signal.signal(signal.SIGTERM, lambda *_: (stop(), sys.exit(1)))
+    timed_out = False
     try:
         while any(proc.poll() is None for proc, _ in procs):
             if deadline is not None and time.monotonic() > deadline:
                 _say(f"stopping the clients: {limit:.0f} s are up")
+                timed_out = True
                 stop()
                 break
             time.sleep(0.2)
@@ -350,17 +354,21 @@ def clients(args) -> int:
         for _proc, log in procs:
             log.close()
     codes = [proc.returncode for proc, _ in procs]
-    timed_out = deadline is not None and time.monotonic() > deadline
-    if any(codes) and not timed_out:
+
+    def say_failures():
         for i, code in enumerate(codes):
             if code:
                 tail = (scratch / f"client-{i}.log").read_text(errors="replace")[-1500:]
                 _say(f"client {i} exited {code}:\n{tail}")
+
+    if any(codes) and not timed_out:
+        say_failures()
         return 3 if all(c == 3 for c in codes) else 1
     files = [scratch / f"client-{i}.json" for i in range(args.clients)]
     per_client = [json.loads(f.read_text()) if f.exists() else {"rounds": []} for f in files]
     finished = min(len(c["rounds"]) for c in per_client)
     if not finished:
+        say_failures()
         _say(f"no round finished by all {args.clients} clients")
         return 1
     rounds = []

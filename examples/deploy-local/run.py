@@ -9,7 +9,7 @@ What it does, in order (every process it starts gets its own log under ``<output
 2. starts ``flower-superlink`` with TLS and ``--enable-supernode-auth``;
 3. registers the public keys of ``node-0`` … ``node-<N-1>`` with ``flwr supernode register`` (not ``intruder``'s);
 4. starts one node worker per node (``fedspear node-worker``: holds the base model across rounds) and the N
-   SuperNodes (``--node-config 'partition-id=K num-partitions=N worker-address=… worker-key=…'``);
+   SuperNodes (``--node-config 'partition-id=K worker-address=… worker-key=…'``);
 5. starts one more SuperNode with the unregistered key and checks the SuperLink refuses it (its exit code and log,
    and the SuperLink's log line, go to ``summary.json``);
 6. submits the app with ``flwr run <repo> deploy-local`` and waits (``flwr ls``) until the run finishes or
@@ -322,7 +322,7 @@ def deploy(args: argparse.Namespace, procs: Processes, out: Path, summary: dict)
     for k, name in enumerate(nodes):
         home = out / name
         home.mkdir(exist_ok=True)
-        node_config = f"partition-id={k} num-partitions={len(nodes)}"
+        node_config = f"partition-id={k}"
         if not args.no_worker:
             address, key = f"127.0.0.1:{free_port()}", home / "worker.key"
             worker = procs.start(f"{name}-worker", [sys.executable, "-m", "fedspear.cli", "node-worker",
@@ -342,7 +342,7 @@ def deploy(args: argparse.Namespace, procs: Processes, out: Path, summary: dict)
     intruder = procs.start("intruder", [
         str(BIN / "flower-supernode"), "--superlink", f"127.0.0.1:{link_port}",
         "--root-certificates", str(paths.ca_cert), "--auth-supernode-private-key", str(keys["intruder"].private_key),
-        "--node-config", f"partition-id=0 num-partitions={len(nodes)}", "--host", "127.0.0.1",
+        "--node-config", "partition-id=0", "--host", "127.0.0.1",
         "--port", str(free_port()),
         "--max-retries", "2", "--max-wait-time", "60"], env={"FLWR_HOME": str(out / "intruder")})
     try:

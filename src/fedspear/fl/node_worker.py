@@ -11,7 +11,7 @@ loaded again for every round. So on a SuperNode the ClientApp forwards the round
 the reply::
 
     fedspear node-worker --address 127.0.0.1:9301 --key-file node-0/worker.key
-    flower-supernode ... --node-config 'partition-id=0 num-partitions=2 worker-address="127.0.0.1:9301" \\
+    flower-supernode ... --node-config 'partition-id=0 worker-address="127.0.0.1:9301" \\
         worker-key="/abs/node-0/worker.key"'
 
 Node config keys the ClientApp reads (``NodeSettings``): ``partition-id`` (required), ``data-dir`` (this node's own

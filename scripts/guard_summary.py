@@ -47,7 +47,7 @@ from fedspear.answers import read_jsonl_gz
 from fedspear.config import ConfigError
 from fedspear.evaluation import wilson_interval
 from fedspear.experiments.compare.stats import item_paired_diff
-from fedspear.health import COLLAPSE_SHARE, MIN_REASONING_SHARE
+from fedspear.health import COLLAPSE_SHARE, MIN_REASONING_SHARE, fmt_count
 from fedspear.rundir import RunDir
 
 SEEDS_NEEDED = 3
@@ -170,7 +170,8 @@ def tables(s: dict) -> str:
             lines.append(
                 f"| {c['arm']} s{c['seed']} | {label} "
                 f"| {e['acc'] * 100:.1f} [{e['low'] * 100:.1f}, {e['high'] * 100:.1f}] "
-                f"| {e['parsed']:.1%} | {e['cutoff']:.1%} | {e['tokens_mean']:.0f} / {e['tokens_median']:.0f} "
+                f"| {e['parsed']:.1%} | {e['cutoff']:.1%} "
+                f"| {fmt_count(e['tokens_mean'])} / {fmt_count(e['tokens_median'])} "
                 f"| {e['reasoning']:.0%} | {e['yes']} / {e['no']} / {e['unparsed']} ({e['gold_yes']} / {e['gold_no']}) "
                 f"| {e['top_share']:.0%} | {'; '.join(c['collapsed']) if label != '0' else ''} |")
     lines += ["", "| cell | round | wins (initial / revised) | initial acc | initial tokens mean | initial reasoning | "

@@ -13,7 +13,7 @@ from fedspear.answers import (AUTO_TRACE_PROMPTS, eval_answers_path, keeps_trace
                               write_eval_answers, write_jsonl_gz, write_traces)
 from fedspear.config import ConfigError, RunConfig
 from fedspear.feedback import make_feedback
-from fedspear.health import entropy_bits, eval_health, round_health, warnings_for
+from fedspear.health import entropy_bits, eval_health, fmt_count, round_health, warnings_for
 from fedspear.interaction import interact
 from fedspear.report import round_text
 from fedspear.tasks import arc_challenge, math_mcqa, strategy_qa
@@ -151,6 +151,17 @@ def test_eval_health_by_hand():
     assert entropy_bits([4, 0]) == 0.0 and entropy_bits([1, 1, 1, 1]) == 2.0
 
 
+def test_tables_keep_a_median_halfway_between_two_counts():
+    """Tokens 10, 20, 31, 100: median (20 + 31) / 2 = 25.5, shown as 25.5 (Python's format rounds half to even:
+    25.5 → 26 but 132.5 → 132); mean 161 / 4 = 40.25 shown as 40; whole counts stay whole."""
+    h = eval_health(["no", "yes"], ["yes", "no", "no", "yes"], ["yes", "no", "no", "yes"], [10, 20, 31, 100],
+                    [True] * 4)
+    assert h["tokens_gen_median"] == 25.5 and f"{132.5:.0f}" == "132"
+    assert (fmt_count(h["tokens_gen_mean"]), fmt_count(h["tokens_gen_median"])) == ("40", "25.5")
+    assert (fmt_count(132.5), fmt_count(150.0), fmt_count(3), fmt_count(2.7), fmt_count(None)) == (
+        "132.5", "150", "3", "3", "–")
+
+
 def _eval(yes: int, no: int, reasoning: float, n: int = 100) -> dict:
     return {"n": n, "pred_no": no, "pred_yes": yes, "gold_no": 52, "gold_yes": 48, "reasoning_gen": reasoning}
 
@@ -197,6 +208,23 @@ def test_answer_files_roundtrip_and_overwrite(tmp_path):
     with pytest.raises(ValueError, match="bad.jsonl.gz"):
         read_jsonl_gz(tmp_path / "bad.jsonl.gz")
     assert write_jsonl_gz(tmp_path / "empty.jsonl.gz", []).stat().st_size > 0
+
+
+def test_traces_of_a_rejected_client_round_are_marked_not_accepted(tmp_path):
+    """Round 1 aggregates partition 3 and rejects partition 5 (an ``error`` entry, as ``fedspear.fl.server_app``
+    writes it); round 2 aggregates nothing; round 3 has no record (the round in flight at a stop)."""
+    for r, p in ((1, 3), (1, 5), (2, 0), (3, 1)):
+        write_traces(tmp_path / "traces", r, p, [{"uid": f"{r}-{p}"}])
+    records = [{"round": 0},
+               {"round": 1, "aggregated": True, "clients": [
+                   {"partition-id": 3, "node_id": 11, "num-wins": 2},
+                   {"node_id": 12, "error": "update norm 9.1 over max_update_norm 5.0", "partition-id": 5}]},
+               {"round": 2, "aggregated": False, "clients": [{"partition-id": 0, "node_id": 10, "num-wins": 0}]}]
+    marked = read_traces(tmp_path / "traces", records=records)
+    assert [(t["uid"], t["accepted"]) for t in marked] == [("1-3", True), ("1-5", False), ("2-0", False),
+                                                           ("3-1", None)]
+    assert "accepted" not in read_traces(tmp_path / "traces")[0]  # without records nothing is claimed
+    assert [t["uid"] for t in read_traces(tmp_path / "traces", 1, records=records)] == ["1-3", "1-5"]
 
 
 def test_keep_traces_auto_threshold():
@@ -246,6 +274,10 @@ def test_a_tiny_run_keeps_answers_traces_and_health_and_a_resume_duplicates_noth
     assert [(t["round"], t["partition_id"]) for t in traces].count((1, traces[0]["partition_id"])) == 3
     assert len(traces) == 6 and all(t["attempts"] and t["outcome"] in ("win_initial", "win_revised", "guarded", "lose")
                                     for t in traces)
+    # no client is rejected here: each trace is accepted exactly when its round aggregated (the partition ids the
+    # clients report match their trace files')
+    marked = read_traces(out / "traces", records=records)
+    assert [t["accepted"] for t in marked] == [records[t["round"]]["aggregated"] for t in marked]
     for r in records:
         ev = r.get("eval")
         if ev:

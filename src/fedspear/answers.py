@@ -31,6 +31,10 @@ while the paper's settings (≈ 25,000–80,000 prompts per run, ≈ 15–80 MB)
 ``fedspear compare`` sets ``on`` for its cells: their traces are what shows how a learning curve came about.
 Evaluation answers are always kept (one file per evaluated round).
 
+**Rejected client rounds.** A client writes its traces before the server checks its update, so a client-round the
+server rejected (its ``metrics.jsonl`` entry carries the ``error``) keeps its traces: they still show what the model
+said. ``read_traces(..., records=RunDir(run).records())`` marks each trace ``accepted`` (or not) from those entries.
+
 **Resume.** Each file is written whole (temp file, then rename) before the round's metrics line; a round redone
 after a stop rewrites its files, so a resumed run neither duplicates nor loses records, and a file of a round that
 was never recorded is replaced when that round is redone.
@@ -132,12 +136,32 @@ def write_traces(folder: str | Path, server_round: int, partition_id: int, recor
     return write_jsonl_gz(trace_path(folder, server_round, partition_id), records)
 
 
-def read_traces(folder: str | Path, server_round: int | None = None) -> list[dict[str, Any]]:
+def read_traces(folder: str | Path, server_round: int | None = None,
+                records: Iterable[dict[str, Any]] | None = None) -> list[dict[str, Any]]:
     """Every kept trace under ``folder`` (one round's with ``server_round``), by round then client, each record with
-    its ``round`` and ``partition_id`` added."""
+    its ``round`` and ``partition_id`` added.
+
+    Args:
+        records: the run's round records (``RunDir.records()``, the server's ``metrics.jsonl``). With them each trace
+            also gets ``accepted``: True when the server aggregated that client's update in that round; False when
+            it did not (the record lists the client with an ``error``, such as an update over ``max_update_norm``,
+            or the round aggregated nothing), so the trace shows what the client said but the federation did not
+            learn from it; None when the round has no record (the round in flight when a run stopped: redone, and
+            its files replaced, on resume).
+    """
+    accepted = None if records is None else _accepted_partitions(records)
     pattern = f"round_{server_round:04d}/client_*.jsonl.gz" if server_round is not None else "round_*/client_*.gz"
     out = []
     for path in sorted(Path(folder).glob(pattern)):
         r, p = int(path.parent.name[6:]), int(path.name[7:11])
-        out += [{**record, "round": r, "partition_id": p} for record in read_jsonl_gz(path)]
+        extra = {} if accepted is None else {"accepted": p in accepted[r] if r in accepted else None}
+        out += [{**record, "round": r, "partition_id": p, **extra} for record in read_jsonl_gz(path)]
     return out
+
+
+def _accepted_partitions(records: Iterable[dict[str, Any]]) -> dict[int, set[int]]:
+    """Round → partition ids whose update the server aggregated (``fedspear.fl.server_app``'s ``clients`` entries
+    without ``error``; none when the round's ``aggregated`` is false)."""
+    return {r["round"]: {int(c["partition-id"]) for c in r.get("clients", [])
+                         if "error" not in c and "partition-id" in c} if r.get("aggregated", True) else set()
+            for r in records if "round" in r}

@@ -74,6 +74,20 @@ def eval_health(labels: Sequence[str], answers: Sequence[str | None], golds: Seq
     return out
 
 
+def fmt_count(v: float | None) -> str:
+    """A token count or a count of answers for a table: "–" for None, whole numbers rounded; a value halfway between
+    two whole numbers (a median of an even number of answers) keeps its ".5" rather than being rounded to the even
+    neighbour as Python's ``format`` does.
+
+    >>> fmt_count(None), fmt_count(146.354), fmt_count(132.5), fmt_count(150.0), fmt_count(0.5)
+    ('–', '146', '132.5', '150', '0.5')
+    """
+    if v is None:
+        return "–"
+    x = float(v)
+    return f"{x:.1f}" if (2 * x).is_integer() and not x.is_integer() else f"{x:.0f}"
+
+
 def _share(part: float, whole: float) -> float | None:
     return part / whole if whole else None
 

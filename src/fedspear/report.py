@@ -53,7 +53,7 @@ def _health_section(records: Sequence[dict]) -> list[str]:
     """The "Learning health" table: per round, the evaluation's answers (length, reasoning, label histogram against
     gold, entropy, parse and cut-off rates) and the training answers (length and reasoning of initial answers and
     revisions, win-set composition, bare share of right revisions, guarded revisions); ``fedspear.health``."""
-    from .health import label_counts
+    from .health import fmt_count as num, label_counts
 
     rows = [r for r in records if (r.get("eval") or {}).get("tokens_gen_mean") is not None or r.get("health")]
     if not rows:
@@ -61,9 +61,6 @@ def _health_section(records: Sequence[dict]) -> list[str]:
 
     def pct(v):
         return "–" if v is None else f"{100 * v:.0f}%"
-
-    def num(v):
-        return "–" if v is None else f"{v:.0f}"
 
     lines = ["## Learning health", "",
              "Evaluation answers: tokens (mean / median), share that reasons before the final answer, labels "

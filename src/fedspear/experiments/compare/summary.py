@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from ...report import epsilon_text
-from ...health import label_counts
+from ...health import fmt_count, label_counts
 from ...rundir import RunDir, initial_accuracy, initial_samples, training_seconds
 from .grid import NAMES, Cell, Grid
 from .plots import plot_comparison
@@ -76,9 +76,7 @@ def health_lines(rows: list[dict[str, Any]]) -> list[str]:
     def pct(v):
         return "–" if v is None else f"{100 * v:.0f}"
 
-    def num(v):
-        return "–" if v is None else f"{v:.0f}"
-
+    num = fmt_count  # whole counts, a median's .5 kept
     lines = ["## Learning health", ""]
     warned = [(r["cell"], w) for r in cells for w in r["health_warnings"]]
     lines += [f"- **WARNING {cell}: {w}**" for cell, w in warned] + ([""] if warned else [])

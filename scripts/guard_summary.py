@@ -183,8 +183,8 @@ def tables(s: dict) -> str:
             lines.append(
                 f"| {c['arm']} s{c['seed']} | {t['round']} | {t.get('wins')} ({t.get('wins_initial')} / "
                 f"{t.get('wins_revised')}) | {fmt(t.get('initial_accuracy'), '.0%')} "
-                f"| {fmt(t.get('tokens_initial_mean'), '.0f')} "
-                f"| {fmt(t.get('reasoning_initial'), '.0%')} | {fmt(t.get('tokens_revision_mean'), '.0f')} "
+                f"| {fmt_count(t.get('tokens_initial_mean'))} "
+                f"| {fmt(t.get('reasoning_initial'), '.0%')} | {fmt_count(t.get('tokens_revision_mean'))} "
                 f"| {fmt(t.get('reasoning_revision'), '.0%')} | {fmt(t.get('bare_share_revised'), '.0%')} "
                 f"| {t.get('revisions_guarded', 0)} |")
     lines += ["", "| guard − SPEAR, paired by item | points, 95% CI |", "|---|---|"]

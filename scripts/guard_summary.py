@@ -172,7 +172,7 @@ def tables(s: dict) -> str:
                 f"| {e['acc'] * 100:.1f} [{e['low'] * 100:.1f}, {e['high'] * 100:.1f}] "
                 f"| {e['parsed']:.1%} | {e['cutoff']:.1%} "
                 f"| {fmt_count(e['tokens_mean'])} / {fmt_count(e['tokens_median'])} "
-                f"| {e['reasoning']:.0%} | {e['yes']} / {e['no']} / {e['unparsed']} ({e['gold_yes']} / {e['gold_no']}) "
+                f"| {e['reasoning']:.1%} | {e['yes']} / {e['no']} / {e['unparsed']} ({e['gold_yes']} / {e['gold_no']}) "
                 f"| {e['top_share']:.0%} | {'; '.join(c['collapsed']) if label != '0' else ''} |")
     lines += ["", "| cell | round | wins (initial / revised) | initial acc | initial tokens mean | initial reasoning | "
               "revision tokens mean | revision reasoning | bare share of right revisions | dropped by the guard |",

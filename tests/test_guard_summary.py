@@ -79,6 +79,15 @@ def test_three_seeds_collapsed_and_guarded_give_supported_verdicts(gs, tmp_path,
         assert low < -gs.MARGIN < 0 < high and v["accuracy_cost"].startswith("undecided")
 
 
+def test_the_evaluation_table_shows_two_bare_answers_of_500(gs, tmp_path):
+    # 498 of 500 answers reason: 99.6%, which a whole-percent format would print as 100% and hide the two bare ones
+    for arm in ("all", "reasoned"):
+        _cell(tmp_path, arm, 0, _eval("1111100000", 498 / 500, 0.6, 6))
+    evaluation = gs.tables(gs.summarise(tmp_path)).split("\n\n")[0]  # the first table; training follows
+    final_rows = [r for r in evaluation.splitlines() if r.startswith("| all s0 | 2 ")]
+    assert len(final_rows) == 1 and "| 99.6% |" in final_rows[0]
+
+
 def test_an_interval_below_zero_is_a_cost(gs, tmp_path):
     for seed in range(3):
         _cell(tmp_path, "all", seed, _eval("1" * 50 + "0" * 50, 0.2, 0.6, 6))

@@ -512,11 +512,12 @@ def targets(out: dict) -> list[tuple[str, str, str, bool]]:
 
 
 def summary(args) -> int:
-    """``--out``.json and .md: every step's result file under ``--dir`` gathered (bench, rounds, Flower run)."""
+    """``--out``.json and .md: every step's result file under ``--dir`` gathered (bench, rounds, Flower run, the
+    sampled token's cost)."""
     folder = Path(args.dir)
     out: dict = {"kind": args.kind, "commit": args.commit, "date": time.strftime("%Y-%m-%dT%H:%M:%S"),
                  "steps": json.loads(Path(args.steps).read_text()) if args.steps and Path(args.steps).exists() else {}}
-    for name in ("bench", "round-eager", "round-compiled", "clients", "flwr-run"):
+    for name in ("bench", "round-eager", "round-compiled", "clients", "flwr-run", "sampling"):
         path = folder / f"{name}.json"
         if path.exists():
             out[name] = json.loads(path.read_text())
@@ -562,6 +563,11 @@ def summary(args) -> int:
             [f"prefill {bench['prefill']['utilisation']:.0%} of matmul", f"training {bench['train']['utilisation']:.0%}"
              " of matmul"] + [f"decode {k.replace('_', ' ')} {1e3 * int(k.split('_')[1]) / v['tokens_per_s']:.1f} "
                               f"ms/step ({v['utilisation']:.0%} of bandwidth)" for k, v in decode.items()]))
+    sampling = out.get("sampling", {}).get("rows", [])
+    if sampling:
+        lines += ["", "sampled token, ms per decode step (transformers' warpers → fedspear's sampler): " + ", ".join(
+            f"batch {r['batch']} × {r['vocab']:,} {r['transformers_ms']:.2f} → {r['fedspear_ms']:.2f}"
+            for r in sampling)]
     rows = [] if args.dry_run else targets(out)
     if rows:
         lines += ["", "Targets (issue 40; baseline: one H100, fedspear ea2bbe6, 2026-11-27):", "",

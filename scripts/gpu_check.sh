@@ -26,6 +26,8 @@
 #                   client_gpus = 0.2, without Ray, which cannot be carried); compile_decode = on, inductor's cache
 #                   warm from round-compiled. CLIENTS=n for another count
 #   6. bench        `fedspear bench --device cuda --no-round` on it (no Flower needed without the round)
+#      sampling     ms per decode step to draw the sampled token, transformers' warpers against fedspear's sampler
+#                   (scripts/sampling_cost.py, batch 8 and 32, SmolLM2's and Qwen2.5's vocabularies), in the log
 #   7. tests        the `gpu`-marked tests and tests/test_device.py
 #   8. round-eager  the same rounds and decode timing with compile_decode = off (the same-machine baseline)
 #   9. flwr-run     a real `fedspear` federation through Flower's deployment engine (examples/deploy-local: a TLS
@@ -176,6 +178,11 @@ if [ -n "$MODEL" ]; then
 else
   skip bench "no model (step model)"
 fi
+
+# 6b. the sampled token's cost per decode step: transformers' warpers against fedspear's sampler (scripts/sampling_cost.py;
+#     printed to the log)
+step sampling 60 "$PY" scripts/sampling_cost.py --device "$([ "$MODE" = gpu ] && echo cuda || echo cpu)" \
+  $([ "$MODE" = dry ] && echo "--batches 32 --vocab 151936 --repeats 3") --json "$RES/sampling.json" || true
 
 # 7. tests: tests/test_device.py whole, and the `gpu`-marked tests of the other files (skipped, with that reason,
 #    where torch sees no GPU); only these files are collected: the others may import Flower, absent there

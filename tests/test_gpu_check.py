@@ -127,7 +127,8 @@ def test_flwr_is_left_as_it_is_and_a_missing_wheel_is_a_skip(tmp_path):
 
 def test_summary_gathers_every_step(tmp_path):
     """Steps' statuses, the rounds (12.0 + 3.0 s of generation, 1.5 s of training), the decode step timed after
-    them (48.0 ms) and decode per step from the bench (batch 32 at 640 tokens/s = 50.0 ms per step)."""
+    them (48.0 ms), decode per step from the bench (batch 32 at 640 tokens/s = 50.0 ms per step) and the sampled
+    token's cost."""
     (tmp_path / "steps.json").write_text(json.dumps({"tests": {"status": "ok", "seconds": 50},
                                                      "round-compiled": {"status": "skipped: no key", "seconds": 0}}))
     (tmp_path / "round-eager.json").write_text(json.dumps({"prompts": 32, "rounds": [
@@ -144,10 +145,14 @@ def test_summary_gathers_every_step(tmp_path):
     (tmp_path / "bench.json").write_text(json.dumps({"throughput": {
         "prefill": {"utilisation": 0.14}, "train": {"utilisation": 0.04},
         "decode": {"batch_32": {"tokens_per_s": 640.0, "utilisation": 0.04}}}}))
+    (tmp_path / "sampling.json").write_text(json.dumps({"device": "cuda", "rows": [
+        {"batch": 32, "vocab": 151936, "transformers_ms": 1.25, "fedspear_ms": 0.5}]}))
     proc = _steps("summary", "--dir", str(tmp_path), "--kind", "cuda-x", "--commit", "abc", "--steps",
                   str(tmp_path / "steps.json"), "--out", str(tmp_path / "cuda-x-gpu-check"))
     assert proc.returncode == 0, proc.stderr
     text = (tmp_path / "cuda-x-gpu-check.md").read_text()
+    assert ("sampled token, ms per decode step (transformers' warpers → fedspear's sampler): batch 32 × 151,936 "
+            "1.25 → 0.50") in text
     assert "| tests | ok | 50 |" in text and "| round-compiled | skipped: no key | 0 |" in text
     assert ("round-eager: 32 prompts, round 1 20.0 s (generation 15.0 s, training 1.5 s, 14336 tokens, peak 16.5 GiB)"
             in text)

@@ -205,7 +205,7 @@ class RunConfig:
     top_p: float = field(
         default=0.95,
         metadata=_meta(
-            "nucleus sampling p",
+            "nucleus sampling p (over the 50 likeliest tokens: runtime.sampling)",
             gt=0,
             max=1,
         ),

@@ -12,6 +12,7 @@ from .. import progress
 from .compiled import batch_bucket, compiled_decode
 from .cpu_kernels import preallocated_cache
 from .model import autocast, merged_adapter, model_device, pad_id
+from .sampling import NucleusSampler
 
 
 def shared_prefix_length(contexts: Sequence[Sequence[int]]) -> int:
@@ -83,6 +84,9 @@ def generate(
     Args:
         contexts: token ids per prompt (lengths may differ).
         max_new_tokens: generation budget per completion (tokens).
+        do_sample: draw each token from the logits scaled by ``temperature``, filtered to the top 50 and then to the
+            ``top_p`` nucleus (``runtime.sampling.NucleusSampler``: transformers' warpers' distribution, from the
+            top-k entries alone); ``False``: greedy.
         batch_size: most contexts per ``generate`` call (bounds memory; all pending prompts fit by default).
         first_logits: if a list is given, the raw next-token logits at the first answer position are appended to
             it, one float32 ``[V]`` tensor per context (log-likelihood scoring reuses the generation's prefill).
@@ -119,6 +123,8 @@ def generate(
 def _generate_batches(model, tokenizer, contexts, max_new_tokens, dtype_used, do_sample, temperature, top_p,
                       batch_size, first_logits, reuse_prefix) -> list[list[int]]:
     """``generate``'s loop over batches of ``contexts`` (the model in eval mode, merged or not)."""
+    from transformers import LogitsProcessorList
+
     eos = tokenizer.eos_token_id
     pad = pad_id(tokenizer)
     device = model_device(model)
@@ -141,9 +147,10 @@ def _generate_batches(model, tokenizer, contexts, max_new_tokens, dtype_used, do
         for i, tail in enumerate(tails):
             input_ids[i, prefix + width - len(tail) :] = torch.tensor(tail, device=device)
             attention[i, prefix + width - len(tail) :] = 1
-        kwargs = dict(do_sample=do_sample, temperature=temperature, top_p=top_p) if do_sample else dict(
-            do_sample=False, temperature=None, top_p=None, top_k=None
-        )
+        # greedy, or the sampler's draw taken greedily (runtime.sampling: transformers' distribution, no sort)
+        kwargs = dict(do_sample=False, temperature=None, top_p=None, top_k=None)
+        if do_sample:
+            kwargs["logits_processor"] = LogitsProcessorList([NucleusSampler(temperature, top_p)])
         steps = _DecodeSteps() if progress.active() else None
         if steps is not None:
             kwargs["stopping_criteria"] = [steps]

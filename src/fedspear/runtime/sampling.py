@@ -1,0 +1,99 @@
+"""One decode step's token drawn from temperature, top-k and top-p (nucleus) filtered logits, from the top-k entries
+alone (``NucleusSampler``: the sampler of every sampled answer — rollouts, revisions, the chat page).
+
+What it replaces: transformers' ``generate`` with ``do_sample`` draws a step's token through
+``TemperatureLogitsWarper`` → ``TopKLogitsWarper`` → ``TopPLogitsWarper`` → softmax → ``torch.multinomial`` over the
+whole vocabulary (transformers ``generation/logits_process.py``; ``generation/utils.py``, ``_sample``). Two of those
+pass over every vocabulary entry although top-k has left ``top_k`` finite ones: the top-p warper sorts the whole row
+(``torch.sort``), and ``multinomial`` draws one exponential variate per entry (ATen's one-sample path takes the
+argmax of p / Exp(1)). On this project's 2-core CPUs the chain costs about half as much again as the model's own
+step: at batch 32 ≈ 60 ms per step with SmolLM2's 49,152-token vocabulary (its greedy step: ≈ 110–130 ms) and
+≈ 200 ms with Qwen2.5's 151,936; this sampler takes 3 and 7 ms (Zen 4 with AVX-512 BF16, 2026-11-28,
+``scripts/sampling_cost.py``).
+
+What it computes: the same distribution, from ``torch.topk`` of the scaled logits —
+
+- temperature: ``scores / temperature`` (as ``TemperatureLogitsWarper``);
+- top-k: every token at least as large as the k-th largest (as ``TopKLogitsWarper``: with ties at the k-th value
+  more than k are kept; the top k + 1 show whether a row has such a tie, and only then are the ties counted over the
+  row and the top-k taken wider);
+- top-p: over the kept tokens in ascending order, drop those whose cumulative probability is ≤ 1 − top_p, never the
+  largest (as ``TopPLogitsWarper`` with ``min_tokens_to_keep = 1``, whose softmax and cumulative sum over a sorted
+  row see the same finite entries in the same order: the other entries are −inf, probability 0);
+- the draw: ``torch.multinomial`` over the kept tokens' softmax.
+
+So each token has the probability transformers' chain gives it, up to fp32 rounding in the softmax's sum (and, as
+there, which of several *tied* tokens at the top-p boundary is dropped is the sort's choice);
+``tests/test_sampling.py`` checks the kept sets and probabilities against transformers' warpers and the draws'
+frequencies against those probabilities. The random stream is not transformers': for a given seed the sampled
+answers differ from those of a fedspear before 2026-11-28 (the same distribution, other draws).
+
+How ``generate`` uses it: as its one logits processor with ``do_sample = False``. The processor returns −inf
+everywhere but the drawn token, whose score is 0, and greedy decoding takes that token; ``output_logits`` still gives
+the raw logits.
+
+Decision (2026-11-28): ``top_k = 50``. SPEC §2 names temperature 0.8 and top-p 0.95 only; every sampled answer of
+this project so far also went through transformers' default ``top_k = 50`` (``GenerationConfig``), so the sampler
+keeps it: the policy that answers stays the one every committed result sampled from.
+"""
+
+from __future__ import annotations
+
+import torch
+
+TOP_K = 50  # transformers' GenerationConfig default, in effect in every sampled answer (decision above)
+
+
+class NucleusSampler:
+    """A transformers ``LogitsProcessor`` that draws each row's next token from the temperature-scaled, top-k and
+    top-p filtered distribution of ``scores`` (module docstring; give it to ``generate`` with ``do_sample=False``).
+
+    Args:
+        temperature: divides the logits (> 0).
+        top_p: nucleus mass kept, in (0, 1]; 1 keeps every top-k token.
+        top_k: most tokens kept (≥ 1; ties at the k-th value are all kept).
+    Raises:
+        ValueError: a setting out of its range.
+    """
+
+    def __init__(self, temperature: float, top_p: float, top_k: int = TOP_K):
+        if not temperature > 0:
+            raise ValueError(f"temperature must be > 0 (got {temperature!r})")
+        if not 0 < top_p <= 1:
+            raise ValueError(f"top_p must be in (0, 1] (got {top_p!r})")
+        if not (isinstance(top_k, int) and top_k >= 1):
+            raise ValueError(f"top_k must be an integer ≥ 1 (got {top_k!r})")
+        self.temperature, self.top_p, self.top_k = float(temperature), float(top_p), top_k
+
+    def kept(self, scores: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The tokens the filters keep, per row.
+
+        Args:
+            scores: raw next-token logits, ``[B, V]``.
+        Returns:
+            ``(logits, ids)``, both ``[B, K]`` (K ≥ min(top_k, V)) and sorted by logit, largest first: the scaled
+            logits of the kept tokens, −inf where a row keeps fewer than K, and their vocabulary ids.
+        """
+        scores = scores / self.temperature
+        k = min(self.top_k, scores.shape[-1])
+        logits, ids = scores.topk(min(k + 1, scores.shape[-1]), dim=-1)  # [B, k + 1], largest first
+        if logits.shape[-1] > k and bool((logits[:, k] == logits[:, k - 1]).any()):  # a tie at the k-th value
+            kth = logits[:, k - 1 : k]  # [B, 1]
+            widest = int((scores >= kth).sum(-1).max())  # every token tied with the k-th is kept too
+            logits, ids = scores.topk(widest, dim=-1)
+            logits = logits.masked_fill(logits < kth, float("-inf"))
+        else:
+            logits, ids = logits[:, :k], ids[:, :k]
+        if self.top_p < 1.0:
+            cumulative = logits.flip(-1).softmax(-1).cumsum(-1)  # [B, K], smallest first
+            drop = cumulative <= 1 - self.top_p
+            drop[:, -1] = False  # the largest is always kept
+            logits = logits.masked_fill(drop.flip(-1), float("-inf"))
+        return logits, ids
+
+    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+        """One decode step: ``scores`` ``[B, V]`` → ``[B, V]``, 0 at each row's drawn token and −inf elsewhere (the
+        greedy choice is the draw)."""
+        logits, ids = self.kept(scores)
+        drawn = ids.gather(-1, torch.multinomial(logits.softmax(-1), 1))  # [B, 1]
+        return torch.full_like(scores, float("-inf")).scatter_(-1, drawn, 0.0)

@@ -1,0 +1,130 @@
+"""The sampler draws from transformers' temperature → top-k → top-p distribution (``runtime.sampling``)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers.generation.logits_process import TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
+
+from fedspear.runtime.sampling import TOP_K, NucleusSampler
+
+
+def transformers_probs(scores: torch.Tensor, temperature: float, top_p: float, top_k: int = TOP_K) -> torch.Tensor:
+    """[B, V] probabilities of transformers' own chain (what ``generate`` with ``do_sample`` samples from)."""
+    ids = torch.zeros(scores.shape[0], 1, dtype=torch.long)
+    out = TopKLogitsWarper(top_k)(ids, TemperatureLogitsWarper(temperature)(ids, scores))
+    if top_p < 1.0:
+        out = TopPLogitsWarper(top_p)(ids, out)
+    return out.softmax(-1)
+
+
+def sampler_probs(scores: torch.Tensor, sampler: NucleusSampler) -> torch.Tensor:
+    """[B, V] probabilities of the sampler's kept tokens, scattered back to vocabulary positions."""
+    logits, ids = sampler.kept(scores)
+    return torch.zeros_like(scores).scatter_(-1, ids, logits.softmax(-1))
+
+
+@pytest.mark.parametrize("temperature, top_p", [(0.8, 0.95), (1.0, 0.5), (0.3, 0.99), (1.3, 1.0)])
+@pytest.mark.parametrize("spread", [0.5, 3.0, 12.0])  # flat (top-k binds) … peaked (top-p binds on a few tokens)
+def test_the_kept_tokens_and_probabilities_are_transformers(temperature, top_p, spread):
+    torch.manual_seed(0)
+    scores = torch.randn(16, 3000) * spread  # distinct values: no ties
+    sampler = NucleusSampler(temperature, top_p)
+    ours, theirs = sampler_probs(scores, sampler), transformers_probs(scores, temperature, top_p)
+    assert torch.equal(ours > 0, theirs > 0)  # the same tokens kept
+    torch.testing.assert_close(ours, theirs, rtol=1e-5, atol=1e-7)
+    if spread == 12.0 and top_p < 1:  # a case where the nucleus is narrower than top-k ...
+        assert (theirs > 0).sum(-1).float().mean() < TOP_K / 2
+    if spread == 0.5:  # ... and one where top-k binds: 50 kept, though the nucleus would hold more
+        assert ((theirs > 0).sum(-1) <= TOP_K).all() and (theirs > 0).sum(-1).float().mean() > TOP_K * top_p - 5
+
+
+def test_ties_at_the_kth_value_are_all_kept_as_transformers_keeps_them():
+    """bf16 logits tie often: transformers keeps every token ≥ the 50th largest, so more than 50 with a tie there."""
+    scores = torch.arange(100, dtype=torch.float32).repeat(4, 1)  # row 0: distinct values
+    scores[1, 40:60] = 55.0  # 40 values above 55 (60 … 99), 55 tied 20 times: the 50th largest is 55, 60 kept
+    scores[2, :] = 1.0  # all tied
+    scores[3, :] = torch.linspace(0, 1, 100).to(torch.bfloat16).float()  # bf16 rounding makes its own ties
+    sampler = NucleusSampler(1.0, 1.0)
+    ours, theirs = sampler_probs(scores, sampler), transformers_probs(scores, 1.0, 1.0)
+    assert (ours > 0).sum(-1).tolist() == (theirs > 0).sum(-1).tolist()
+    assert (ours > 0).sum(-1)[:3].tolist() == [50, 60, 100]
+    assert torch.equal(ours > 0, theirs > 0)
+    torch.testing.assert_close(ours, theirs)
+
+
+def test_draws_follow_the_kept_probabilities():
+    """Frequencies of 20,000 draws per row are within sampling error of the kept probabilities (and never outside the
+    kept set)."""
+    torch.manual_seed(1)
+    scores = torch.randn(2, 500) * 4
+    sampler = NucleusSampler(0.8, 0.9)
+    expected = transformers_probs(scores, 0.8, 0.9)
+    draws = 20_000
+    counts = torch.zeros_like(scores)
+    for _ in range(draws // 1000):
+        out = sampler(None, scores.repeat_interleave(1000, 0))  # [2000, V]
+        assert torch.equal(torch.isfinite(out).sum(-1), torch.ones(2000, dtype=torch.long))
+        tokens = out.argmax(-1).view(2, 1000)
+        counts.scatter_add_(-1, tokens, torch.ones_like(tokens, dtype=counts.dtype))
+    freq = counts / draws
+    assert torch.equal(freq > 0, expected > 0) or bool(((freq > 0) <= (expected > 0)).all())
+    sd = (expected * (1 - expected) / draws).sqrt()
+    assert ((freq - expected).abs() <= 5 * sd + 1e-9).all()  # 5 standard errors per token
+    assert (freq - expected).abs().sum(-1).max() < 0.05  # total variation distance below 2.5%
+
+
+def test_a_draw_is_the_greedy_choice_of_the_processed_scores_and_the_seed_repeats_it():
+    scores = torch.randn(8, 1000) * 2
+    torch.manual_seed(3)
+    first = NucleusSampler(0.8, 0.95)(None, scores)
+    torch.manual_seed(3)
+    again = NucleusSampler(0.8, 0.95)(None, scores)
+    assert torch.equal(first, again)
+    assert (first.argmax(-1) == first.isfinite().nonzero()[:, 1]).all()
+    assert (first.max(-1).values == 0).all()
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    (dict(temperature=0.0, top_p=0.9), "temperature"), (dict(temperature=0.8, top_p=0.0), "top_p"),
+    (dict(temperature=0.8, top_p=1.5), "top_p"), (dict(temperature=0.8, top_p=0.9, top_k=0), "top_k"),
+])
+def test_bad_settings_are_refused(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        NucleusSampler(**kwargs)
+
+
+def test_generate_samples_with_it_and_answers_stay_in_the_kept_set(tiny, arc_items):
+    """``generate(do_sample=True)`` draws through the sampler: with top-p tiny, each token is the argmax (the nucleus
+    holds only the largest), so sampling equals greedy decoding; with the defaults, the seed repeats the answers."""
+    from fedspear.interaction import render
+    from fedspear.runtime.generation import generate
+    from fedspear.tasks import arc_challenge
+
+    model, tok = tiny
+    contexts = [render(tok, [arc_challenge.prompt(ex)]) for ex in arc_items[:4]]
+    greedy = generate(model, tok, contexts, max_new_tokens=8, do_sample=False)
+    assert generate(model, tok, contexts, max_new_tokens=8, do_sample=True, top_p=1e-6) == greedy
+    torch.manual_seed(7)
+    first = generate(model, tok, contexts, max_new_tokens=8, do_sample=True)
+    torch.manual_seed(7)
+    assert generate(model, tok, contexts, max_new_tokens=8, do_sample=True) == first
+    assert first != greedy
+
+
+def test_the_cost_script_times_both_samplers(tmp_path):
+    """``scripts/sampling_cost.py`` (its figures are in the sampler's docstring) runs and writes a row per shape."""
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    script = Path(__file__).resolve().parents[1] / "scripts" / "sampling_cost.py"
+    out = tmp_path / "sampling.json"
+    proc = subprocess.run([sys.executable, str(script), "--batches", "2", "4", "--vocab", "1000", "--repeats", "2",
+                           "--json", str(out)], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    rows = json.loads(out.read_text())["rows"]
+    assert [(r["batch"], r["vocab"]) for r in rows] == [(2, 1000), (4, 1000)]
+    assert all(r["transformers_ms"] > 0 and r["fedspear_ms"] > 0 for r in rows)
+    assert "transformers" in proc.stdout and "fedspear" in proc.stdout

@@ -1,7 +1,8 @@
 """Milliseconds per decode step spent drawing the sampled token: transformers' warpers against fedspear's sampler.
 
 A sampled decode step of ``generate`` ends by turning the step's logits ``[B, V]`` into one token per row. Timed
-here on random logits (the cost depends on the shape, not on the values), per batch B and vocabulary V:
+here on random logits rounded to bf16 as a bf16 model's are (the cost depends on the shape and on how often values
+tie, little on the rest), per batch B and vocabulary V:
 
 - ``transformers``: ``TemperatureLogitsWarper`` → ``TopKLogitsWarper(50)`` → ``TopPLogitsWarper`` → softmax →
   ``torch.multinomial``, what ``generate(do_sample=True, temperature, top_p)`` ran before 2026-11-28;
@@ -50,8 +51,8 @@ def fedspear_draw(temperature: float, top_p: float):
 
 
 def milliseconds(draw, batch: int, vocab: int, device: str, repeats: int) -> float:
-    """Median milliseconds of one ``draw`` over random ``[batch, vocab]`` fp32 logits."""
-    scores = torch.randn(batch, vocab, device=device) * 3
+    """Median milliseconds of one ``draw`` over random ``[batch, vocab]`` logits (bf16 values held in fp32)."""
+    scores = (torch.randn(batch, vocab, device=device) * 3).bfloat16().float()  # a bf16 model's logits: ties
     ids = torch.zeros(batch, 1, dtype=torch.long, device=device)
     times = []
     for i in range(repeats + 1):

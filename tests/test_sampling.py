@@ -40,15 +40,18 @@ def test_the_kept_tokens_and_probabilities_are_transformers(temperature, top_p, 
 
 
 def test_ties_at_the_kth_value_are_all_kept_as_transformers_keeps_them():
-    """bf16 logits tie often: transformers keeps every token ≥ the 50th largest, so more than 50 with a tie there."""
-    scores = torch.arange(100, dtype=torch.float32).repeat(4, 1)  # row 0: distinct values
-    scores[1, 40:60] = 55.0  # 40 values above 55 (60 … 99), 55 tied 20 times: the 50th largest is 55, 60 kept
-    scores[2, :] = 1.0  # all tied
-    scores[3, :] = torch.linspace(0, 1, 100).to(torch.bfloat16).float()  # bf16 rounding makes its own ties
+    """bf16 logits tie often: transformers keeps every token ≥ the 50th largest, so more than 50 with a tie there —
+    also when the tie runs past the 2k entries the sampler takes first (it widens)."""
+    scores = torch.arange(1000, dtype=torch.float32).repeat(5, 1)  # row 0: distinct values
+    scores[1, 900:960] = 955.0  # 40 values above 955 (960 … 999), 955 tied 60 times: the 50th largest, 100 kept
+    scores[2, 700:960] = 955.0  # the same tied 260 times: 300 kept, past 2k = 100 and past 200
+    scores[3, :] = 1.0  # all tied
+    scores[4, :] = torch.linspace(0, 1, 1000).to(torch.bfloat16).float()  # bf16 rounding makes its own ties
     sampler = NucleusSampler(1.0, 1.0)
     ours, theirs = sampler_probs(scores, sampler), transformers_probs(scores, 1.0, 1.0)
     assert (ours > 0).sum(-1).tolist() == (theirs > 0).sum(-1).tolist()
-    assert (ours > 0).sum(-1)[:3].tolist() == [50, 60, 100]
+    assert (ours > 0).sum(-1)[:4].tolist() == [50, 100, 300, 1000]
+    assert (ours > 0).sum(-1)[4] > 50
     assert torch.equal(ours > 0, theirs > 0)
     torch.testing.assert_close(ours, theirs)
 

@@ -7,16 +7,17 @@ whole vocabulary (transformers ``generation/logits_process.py``; ``generation/ut
 pass over every vocabulary entry although top-k has left ``top_k`` finite ones: the top-p warper sorts the whole row
 (``torch.sort``), and ``multinomial`` draws one exponential variate per entry (ATen's one-sample path takes the
 argmax of p / Exp(1)). On this project's 2-core CPUs the chain costs about half as much again as the model's own
-step: at batch 32 ≈ 60 ms per step with SmolLM2's 49,152-token vocabulary (its greedy step: ≈ 110–130 ms) and
-≈ 200 ms with Qwen2.5's 151,936; this sampler takes 3 and 7 ms (Zen 4 with AVX-512 BF16, 2026-11-28,
-``scripts/sampling_cost.py``).
+step: at batch 32 ≈ 57 ms per step with SmolLM2's 49,152-token vocabulary (its greedy step: ≈ 110–140 ms) and
+≈ 180 ms with Qwen2.5's 151,936; this sampler takes 3.0 and 8.6 ms (Zen 4 with AVX-512 BF16, 2026-11-28,
+``scripts/sampling_cost.py``, logits rounded to bf16).
 
 What it computes: the same distribution, from ``torch.topk`` of the scaled logits —
 
 - temperature: ``scores / temperature`` (as ``TemperatureLogitsWarper``);
 - top-k: every token at least as large as the k-th largest (as ``TopKLogitsWarper``: with ties at the k-th value
-  more than k are kept; the top k + 1 show whether a row has such a tie, and only then are the ties counted over the
-  row and the top-k taken wider);
+  more than k are kept). The top 2k are taken, and twice as many again while a row's last one still ties the k-th:
+  bf16 logits tie often (random logits rounded to bf16: ≈ 70% of rows at the 50th, in runs of 1–8 tokens), so the
+  room is needed, and a second ``topk`` nearly never;
 - top-p: over the kept tokens in ascending order, drop those whose cumulative probability is ≤ 1 − top_p, never the
   largest (as ``TopPLogitsWarper`` with ``min_tokens_to_keep = 1``, whose softmax and cumulative sum over a sorted
   row see the same finite entries in the same order: the other entries are −inf, probability 0);
@@ -72,18 +73,19 @@ class NucleusSampler:
             scores: raw next-token logits, ``[B, V]``.
         Returns:
             ``(logits, ids)``, both ``[B, K]`` (K ≥ min(top_k, V)) and sorted by logit, largest first: the scaled
-            logits of the kept tokens, −inf where a row keeps fewer than K, and their vocabulary ids.
+            logits of the kept tokens, −inf where a row keeps fewer than K, and their vocabulary ids (−inf entries
+            carry the ids of dropped tokens).
         """
         scores = scores / self.temperature
-        k = min(self.top_k, scores.shape[-1])
-        logits, ids = scores.topk(min(k + 1, scores.shape[-1]), dim=-1)  # [B, k + 1], largest first
-        if logits.shape[-1] > k and bool((logits[:, k] == logits[:, k - 1]).any()):  # a tie at the k-th value
-            kth = logits[:, k - 1 : k]  # [B, 1]
-            widest = int((scores >= kth).sum(-1).max())  # every token tied with the k-th is kept too
-            logits, ids = scores.topk(widest, dim=-1)
-            logits = logits.masked_fill(logits < kth, float("-inf"))
-        else:
-            logits, ids = logits[:, :k], ids[:, :k]
+        vocab = scores.shape[-1]
+        k = min(self.top_k, vocab)
+        width = min(2 * k, vocab)  # room for ties: torch.topk of 100 costs what topk of 51 does
+        logits, ids = scores.topk(width, dim=-1)  # [B, width], largest first
+        kth = logits[:, k - 1 : k]  # [B, 1]
+        while width < vocab and bool((logits[:, -1:] == kth).any()):  # a row's last token ties the k-th: widen
+            width = min(vocab, 2 * width)
+            logits, ids = scores.topk(width, dim=-1)
+        logits = logits.masked_fill(logits < kth, float("-inf"))  # every token tied with the k-th is kept
         if self.top_p < 1.0:
             cumulative = logits.flip(-1).softmax(-1).cumsum(-1)  # [B, K], smallest first
             drop = cumulative <= 1 - self.top_p

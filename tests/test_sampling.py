@@ -9,10 +9,13 @@ from transformers.generation.logits_process import TemperatureLogitsWarper, TopK
 from fedspear.runtime.sampling import TOP_K, NucleusSampler
 
 
-def transformers_probs(scores: torch.Tensor, temperature: float, top_p: float, top_k: int = TOP_K) -> torch.Tensor:
+def transformers_probs(scores: torch.Tensor, temperature: float, top_p: float, top_k: int | None = TOP_K
+                       ) -> torch.Tensor:
     """[B, V] probabilities of transformers' own chain (what ``generate`` with ``do_sample`` samples from)."""
     ids = torch.zeros(scores.shape[0], 1, dtype=torch.long)
-    out = TopKLogitsWarper(top_k)(ids, TemperatureLogitsWarper(temperature)(ids, scores))
+    out = TemperatureLogitsWarper(temperature)(ids, scores)
+    if top_k is not None:
+        out = TopKLogitsWarper(top_k)(ids, out)
     if top_p < 1.0:
         out = TopPLogitsWarper(top_p)(ids, out)
     return out.softmax(-1)
@@ -37,6 +40,36 @@ def test_the_kept_tokens_and_probabilities_are_transformers(temperature, top_p, 
         assert (theirs > 0).sum(-1).float().mean() < TOP_K / 2
     if spread == 0.5:  # ... and one where top-k binds: 50 kept, though the nucleus would hold more
         assert ((theirs > 0).sum(-1) <= TOP_K).all() and (theirs > 0).sum(-1).float().mean() > TOP_K * top_p - 5
+
+
+@pytest.mark.parametrize("top_k", [None, 5, 3000])
+def test_another_top_k_or_none_is_transformers_too(top_k):
+    torch.manual_seed(2)
+    scores = torch.randn(8, 3000) * 3
+    sampler = NucleusSampler(0.8, 0.95, top_k)
+    ours, theirs = sampler_probs(scores, sampler), transformers_probs(scores, 0.8, 0.95, top_k)
+    assert torch.equal(ours > 0, theirs > 0)
+    torch.testing.assert_close(ours, theirs, rtol=1e-5, atol=1e-7)
+    if top_k == 5:
+        assert ((ours > 0).sum(-1) <= 5).all()
+
+
+def test_the_sampler_follows_the_models_generation_config(tiny):
+    """transformers' default top-k 50 where the model's generation config sets none (the packaged models), the
+    config's own top_k where it sets one (0: none), and no sampler where it sets a warper the sampler lacks."""
+    import copy
+
+    from fedspear.runtime.sampling import sampler_for
+
+    model, _ = tiny
+    model = copy.deepcopy(model)
+    assert sampler_for(model, 0.8, 0.95).top_k == TOP_K
+    model.generation_config.top_k = 20
+    assert sampler_for(model, 0.8, 0.95).top_k == 20
+    model.generation_config.top_k = 0
+    assert sampler_for(model, 0.8, 0.95).top_k is None
+    model.generation_config.min_p = 0.05
+    assert sampler_for(model, 0.8, 0.95) is None
 
 
 def test_ties_at_the_kth_value_are_all_kept_as_transformers_keeps_them():
@@ -91,28 +124,44 @@ def test_a_draw_is_the_greedy_choice_of_the_processed_scores_and_the_seed_repeat
 @pytest.mark.parametrize("kwargs, message", [
     (dict(temperature=0.0, top_p=0.9), "temperature"), (dict(temperature=0.8, top_p=0.0), "top_p"),
     (dict(temperature=0.8, top_p=1.5), "top_p"), (dict(temperature=0.8, top_p=0.9, top_k=0), "top_k"),
+    (dict(temperature=0.8, top_p=0.9, top_k=2.5), "top_k"),
 ])
 def test_bad_settings_are_refused(kwargs, message):
     with pytest.raises(ValueError, match=message):
         NucleusSampler(**kwargs)
 
 
-def test_generate_samples_with_it_and_answers_stay_in_the_kept_set(tiny, arc_items):
-    """``generate(do_sample=True)`` draws through the sampler: with top-p tiny, each token is the argmax (the nucleus
-    holds only the largest), so sampling equals greedy decoding; with the defaults, the seed repeats the answers."""
+def test_generate_samples_with_it_and_answers_stay_in_the_kept_set(tiny, arc_items, monkeypatch):
+    """``generate(do_sample=True)`` draws every token through the sampler (counted: one call per decode step): with
+    top-p tiny, each token is the argmax (the nucleus holds only the largest), so sampling equals greedy decoding;
+    with the defaults, the seed repeats the answers. A model whose generation config asks for another warper samples
+    through transformers' chain instead (the sampler is not called)."""
+    import copy
+
     from fedspear.interaction import render
+    from fedspear.runtime import sampling
     from fedspear.runtime.generation import generate
     from fedspear.tasks import arc_challenge
 
+    calls = []
+    draw = sampling.NucleusSampler.__call__
+    monkeypatch.setattr(sampling.NucleusSampler, "__call__",
+                        lambda self, ids, scores: calls.append(scores.shape) or draw(self, ids, scores))
     model, tok = tiny
     contexts = [render(tok, [arc_challenge.prompt(ex)]) for ex in arc_items[:4]]
-    greedy = generate(model, tok, contexts, max_new_tokens=8, do_sample=False)
-    assert generate(model, tok, contexts, max_new_tokens=8, do_sample=True, top_p=1e-6) == greedy
+    greedy = generate(model, tok, contexts, max_new_tokens=8, do_sample=False, batch_size=4)
+    assert calls == []
+    assert generate(model, tok, contexts, max_new_tokens=8, do_sample=True, top_p=1e-6, batch_size=4) == greedy
+    assert len(calls) == max(map(len, greedy)) and calls[0][0] == 4
     torch.manual_seed(7)
     first = generate(model, tok, contexts, max_new_tokens=8, do_sample=True)
     torch.manual_seed(7)
     assert generate(model, tok, contexts, max_new_tokens=8, do_sample=True) == first
     assert first != greedy
+    other = copy.deepcopy(model)
+    other.generation_config.min_p = 0.05
+    calls.clear()
+    assert len(generate(other, tok, contexts, max_new_tokens=8, do_sample=True)) == 4 and calls == []
 
 
 def test_the_cost_script_times_both_samplers(tmp_path):

@@ -12,7 +12,7 @@ from .. import progress
 from .compiled import batch_bucket, compiled_decode
 from .cpu_kernels import preallocated_cache
 from .model import autocast, merged_adapter, model_device, pad_id
-from .sampling import NucleusSampler
+from .sampling import sampler_for
 
 
 def shared_prefix_length(contexts: Sequence[Sequence[int]]) -> int:
@@ -84,9 +84,10 @@ def generate(
     Args:
         contexts: token ids per prompt (lengths may differ).
         max_new_tokens: generation budget per completion (tokens).
-        do_sample: draw each token from the logits scaled by ``temperature``, filtered to the top 50 and then to the
-            ``top_p`` nucleus (``runtime.sampling.NucleusSampler``: transformers' warpers' distribution, from the
-            top-k entries alone); ``False``: greedy.
+        do_sample: draw each token from the logits scaled by ``temperature``, filtered to the top 50 (or the
+            model's generation config's ``top_k``) and then to the ``top_p`` nucleus
+            (``runtime.sampling.sampler_for``: transformers' warpers' distribution, from the top-k entries alone);
+            ``False``: greedy.
         batch_size: most contexts per ``generate`` call (bounds memory; all pending prompts fit by default).
         first_logits: if a list is given, the raw next-token logits at the first answer position are appended to
             it, one float32 ``[V]`` tensor per context (log-likelihood scoring reuses the generation's prefill).
@@ -149,8 +150,11 @@ def _generate_batches(model, tokenizer, contexts, max_new_tokens, dtype_used, do
             attention[i, prefix + width - len(tail) :] = 1
         # greedy, or the sampler's draw taken greedily (runtime.sampling: transformers' distribution, no sort)
         kwargs = dict(do_sample=False, temperature=None, top_p=None, top_k=None)
-        if do_sample:
-            kwargs["logits_processor"] = LogitsProcessorList([NucleusSampler(temperature, top_p)])
+        sampler = sampler_for(model, temperature, top_p) if do_sample else None
+        if sampler is not None:
+            kwargs["logits_processor"] = LogitsProcessorList([sampler])
+        elif do_sample:  # the model's generation config asks for a warper the sampler lacks: transformers' chain
+            kwargs = dict(do_sample=True, temperature=temperature, top_p=top_p)
         steps = _DecodeSteps() if progress.active() else None
         if steps is not None:
             kwargs["stopping_criteria"] = [steps]

@@ -6,8 +6,8 @@ What it replaces: transformers' ``generate`` with ``do_sample`` draws a step's t
 whole vocabulary (transformers ``generation/logits_process.py``; ``generation/utils.py``, ``_sample``). Two of those
 pass over every vocabulary entry although top-k has left ``top_k`` finite ones: the top-p warper sorts the whole row
 (``torch.sort``), and ``multinomial`` draws one exponential variate per entry (ATen's one-sample path takes the
-argmax of p / Exp(1)). On this project's 2-core CPUs the chain costs about half as much again as the model's own
-step: at batch 32 ≈ 57 ms per step with SmolLM2's 49,152-token vocabulary (its greedy step: ≈ 110–140 ms) and
+argmax of p / Exp(1)). On this project's 2-core CPUs the chain adds about half a step to each of the model's own
+steps: at batch 32 ≈ 57 ms per step with SmolLM2's 49,152-token vocabulary (its greedy step: ≈ 110–140 ms) and
 ≈ 180 ms with Qwen2.5's 151,936; this sampler takes 3.0 and 8.6 ms (Zen 4 with AVX-512 BF16, 2026-11-28,
 ``scripts/sampling_cost.py``, logits rounded to bf16).
 
@@ -23,8 +23,10 @@ What it computes: the same distribution, from ``torch.topk`` of the scaled logit
   row see the same finite entries in the same order: the other entries are −inf, probability 0);
 - the draw: ``torch.multinomial`` over the kept tokens' softmax.
 
-So each token has the probability transformers' chain gives it, up to fp32 rounding in the softmax's sum (and, as
-there, which of several *tied* tokens at the top-p boundary is dropped is the sort's choice);
+So each token has the probability transformers' chain gives it, up to fp32 rounding in the softmax's sum, except
+where tokens of equal logit straddle the top-p boundary: which of them is dropped is each implementation's choice
+(transformers': its ``torch.sort``'s order of ties; here: ``torch.topk``'s), the same number with the same
+probability. bf16 logits tie often, so on them about half the rows keep a different one of such equal tokens.
 ``tests/test_sampling.py`` checks the kept sets and probabilities against transformers' warpers and the draws'
 frequencies against those probabilities. The random stream is not transformers': for a given seed the sampled
 answers differ from those of a fedspear before 2026-11-28 (the same distribution, other draws).
@@ -34,8 +36,11 @@ everywhere but the drawn token, whose score is 0, and greedy decoding takes that
 the raw logits.
 
 Decision (2026-11-28): ``top_k = 50``. SPEC §2 names temperature 0.8 and top-p 0.95 only; every sampled answer of
-this project so far also went through transformers' default ``top_k = 50`` (``GenerationConfig``), so the sampler
-keeps it: the policy that answers stays the one every committed result sampled from.
+this project so far also went through transformers' default ``top_k = 50`` (``GenerationConfig``; the packaged
+models' generation configs set no sampling keys), so the sampler keeps it: the policy that answers stays the one
+every committed result sampled from. A model loaded from a folder or the hub whose generation config sets its own
+``top_k`` keeps it, and one that sets another warper (``min_p``, ``typical_p``, …) samples through transformers'
+chain as before (``sampler_for``).
 """
 
 from __future__ import annotations
@@ -52,18 +57,19 @@ class NucleusSampler:
     Args:
         temperature: divides the logits (> 0).
         top_p: nucleus mass kept, in (0, 1]; 1 keeps every top-k token.
-        top_k: most tokens kept (≥ 1; ties at the k-th value are all kept).
+        top_k: most tokens kept (≥ 1; ties at the k-th value are all kept); None: no top-k (the whole row is sorted,
+            as transformers' top-p does).
     Raises:
         ValueError: a setting out of its range.
     """
 
-    def __init__(self, temperature: float, top_p: float, top_k: int = TOP_K):
+    def __init__(self, temperature: float, top_p: float, top_k: int | None = TOP_K):
         if not temperature > 0:
             raise ValueError(f"temperature must be > 0 (got {temperature!r})")
         if not 0 < top_p <= 1:
             raise ValueError(f"top_p must be in (0, 1] (got {top_p!r})")
-        if not (isinstance(top_k, int) and top_k >= 1):
-            raise ValueError(f"top_k must be an integer ≥ 1 (got {top_k!r})")
+        if not (top_k is None or (isinstance(top_k, int) and top_k >= 1)):
+            raise ValueError(f"top_k must be an integer ≥ 1 or None (got {top_k!r})")
         self.temperature, self.top_p, self.top_k = float(temperature), float(top_p), top_k
 
     def kept(self, scores: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -78,7 +84,7 @@ class NucleusSampler:
         """
         scores = scores / self.temperature
         vocab = scores.shape[-1]
-        k = min(self.top_k, vocab)
+        k = vocab if self.top_k is None else min(self.top_k, vocab)
         width = min(2 * k, vocab)  # room for ties: torch.topk of 100 costs what topk of 51 does
         logits, ids = scores.topk(width, dim=-1)  # [B, width], largest first
         kth = logits[:, k - 1 : k]  # [B, 1]
@@ -99,3 +105,24 @@ class NucleusSampler:
         logits, ids = self.kept(scores)
         drawn = ids.gather(-1, torch.multinomial(logits.softmax(-1), 1))  # [B, 1]
         return torch.full_like(scores, float("-inf")).scatter_(-1, drawn, 0.0)
+
+
+# sampling settings of a model's generation config that transformers applies as further warpers; the sampler has none
+OTHER_WARPERS = {"top_h": None, "min_p": None, "typical_p": 1.0, "epsilon_cutoff": 0.0, "eta_cutoff": 0.0}
+
+
+def sampler_for(model, temperature: float, top_p: float) -> NucleusSampler | None:
+    """The sampler that draws what transformers' ``generate(do_sample=True, temperature=..., top_p=...)`` would for
+    ``model``: its generation config's ``top_k`` where it sets one (0: none), else ``TOP_K`` (transformers' default).
+    None where that config also asks for a warper the sampler does not implement (``OTHER_WARPERS``, e.g. a hub
+    model's ``min_p``): the caller then samples through transformers' own chain. The packaged models' configs set
+    none of these.
+
+    Raises:
+        ValueError: ``temperature`` or ``top_p`` out of range (``NucleusSampler``).
+    """
+    config = getattr(model, "generation_config", None)
+    if any(getattr(config, key, unset) not in (None, unset) for key, unset in OTHER_WARPERS.items()):
+        return None
+    top_k = getattr(config, "top_k", None)
+    return NucleusSampler(temperature, top_p, TOP_K if top_k is None else (top_k or None))

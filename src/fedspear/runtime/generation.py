@@ -129,6 +129,16 @@ def _generate_batches(model, tokenizer, contexts, max_new_tokens, dtype_used, do
     eos = tokenizer.eos_token_id
     pad = pad_id(tokenizer)
     device = model_device(model)
+    # greedy, or the sampler's draw taken greedily (runtime.sampling: transformers' distribution, no sort), or
+    # transformers' own chain where the model's generation config asks for a warper the sampler lacks
+    sampler = sampler_for(model, temperature, top_p) if do_sample else None
+    if sampler is not None:
+        decoding = dict(do_sample=False, temperature=None, top_p=None, top_k=None,
+                        logits_processor=LogitsProcessorList([sampler]))
+    elif do_sample:
+        decoding = dict(do_sample=True, temperature=temperature, top_p=top_p)
+    else:
+        decoding = dict(do_sample=False, temperature=None, top_p=None, top_k=None)
     compiled = compiled_decode(model)
     reuse_prefix = reuse_prefix and compiled is None  # a static cache is filled by one prefill of the whole batch
     out: list[list[int]] = []
@@ -148,13 +158,7 @@ def _generate_batches(model, tokenizer, contexts, max_new_tokens, dtype_used, do
         for i, tail in enumerate(tails):
             input_ids[i, prefix + width - len(tail) :] = torch.tensor(tail, device=device)
             attention[i, prefix + width - len(tail) :] = 1
-        # greedy, or the sampler's draw taken greedily (runtime.sampling: transformers' distribution, no sort)
-        kwargs = dict(do_sample=False, temperature=None, top_p=None, top_k=None)
-        sampler = sampler_for(model, temperature, top_p) if do_sample else None
-        if sampler is not None:
-            kwargs["logits_processor"] = LogitsProcessorList([sampler])
-        elif do_sample:  # the model's generation config asks for a warper the sampler lacks: transformers' chain
-            kwargs = dict(do_sample=True, temperature=temperature, top_p=top_p)
+        kwargs = dict(decoding)  # this batch's: stopping criteria and the cache are added below
         steps = _DecodeSteps() if progress.active() else None
         if steps is not None:
             kwargs["stopping_criteria"] = [steps]

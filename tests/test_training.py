@@ -4,6 +4,7 @@ one round of local training, non-finite steps, length buckets."""
 from __future__ import annotations
 
 import numpy as np
+import pytest
 import torch
 from helpers import with_random_adapter
 
@@ -11,7 +12,7 @@ from fedspear import losses as L
 from fedspear.interaction import Trace, interact, render
 from fedspear.runtime.model import get_adapter, set_adapter
 from fedspear.tasks import arc_challenge
-from fedspear.training import TrainSettings, completion_logprobs, local_train, pack
+from fedspear.training import TrainSettings, completion_logprobs, local_train, pack, pair_margin
 
 
 def test_pack_left_pads_so_completions_end_together():
@@ -26,6 +27,16 @@ def test_pack_left_pads_so_completions_end_together():
     assert b.tail_base.tolist() == [[True, True, False], [False, False, True]]  # EOS excluded from the tail
 
 
+def _alone_logprobs(model, t: Trace) -> torch.Tensor:
+    """log p of ``t``'s completion tokens from a plain forward over the trace alone → ``[len(completion)]``."""
+    ids = torch.tensor([t.prompt_ids + t.completion_ids])
+    with torch.no_grad():
+        logits = model(input_ids=ids).logits[0]  # [n, V]
+    n_c = len(t.completion_ids)
+    completion = torch.tensor(t.completion_ids)[:, None]  # [n_c, 1]
+    return torch.log_softmax(logits[-n_c - 1 : -1].float(), -1).gather(-1, completion)[:, 0]
+
+
 def test_completion_logprobs_match_an_unpadded_full_forward(tiny):
     """The windowed, left-padded log-probs equal log_softmax of a plain forward over each sequence alone."""
     model, _ = tiny
@@ -34,13 +45,31 @@ def test_completion_logprobs_match_an_unpadded_full_forward(tiny):
     batch = pack(traces, pad_id=0)
     got = completion_logprobs(model, batch, "fp32")  # [2, 3]
     for row, t in enumerate(traces):
-        ids = torch.tensor([t.prompt_ids + t.completion_ids])
-        with torch.no_grad():
-            logits = model(input_ids=ids).logits[0]  # [n, V]
-        n_c = len(t.completion_ids)
-        ref = torch.log_softmax(logits[-n_c - 1 : -1].float(), -1).gather(
-            -1, torch.tensor(t.completion_ids)[:, None])[:, 0]
-        torch.testing.assert_close(got[row, -n_c:], ref, atol=1e-4, rtol=1e-4)
+        torch.testing.assert_close(got[row, -len(t.completion_ids):], _alone_logprobs(model, t), atol=1e-4, rtol=1e-4)
+
+
+def test_pair_margin_is_eq8_averaged_over_the_pairs(tiny):
+    """M_τ (Eq. 8) by hand from forwards over each trace alone: the win's mean log p over its completion (EOS
+    included) minus the mean over the lose's last τ tokens (EOS excluded), averaged over the pairs; a win pairs with
+    every loss of its context, and a loss without a win of its context is no pair."""
+    model, _ = tiny
+    model.eval()
+    win_a = Trace("a", [5, 6, 7, 8], [9, 10, 11], True)
+    win_b = Trace("b", [12], [13, 14], False)
+    lose_a1 = Trace("a", [5, 6, 7, 8], [20, 21, 22, 23, 2], True, 0.5)
+    lose_a2 = Trace("a", [5, 6, 7, 8], [30, 31], False, 0.5)
+    lose_b = Trace("b", [12], [40, 41, 42], False, 0.5)
+    lose_c = Trace("c", [50, 51], [52], False, 0.5)
+    tau = 2
+    alone = {id(t): _alone_logprobs(model, t) for t in (win_a, win_b, lose_a1, lose_a2, lose_b)}
+    def expected(win, lose):
+        tail = alone[id(lose)][: len(lose.completion_ids) - int(lose.has_eos)][-tau:]
+        return float(alone[id(win)].mean() - tail.mean())
+    want = np.mean([expected(win_a, lose_a1), expected(win_a, lose_a2), expected(win_b, lose_b)])
+    got, pairs = pair_margin(model, [win_a, win_b], [lose_a1, lose_a2, lose_b, lose_c], 0, tau, "fp32")
+    assert pairs == 3
+    assert got == pytest.approx(want, abs=1e-4)
+    assert pair_margin(model, [win_a], [lose_c], 0, tau, "fp32") == (pytest.approx(float("nan"), nan_ok=True), 0)
 
 
 def test_no_wins_means_no_local_steps(tiny):

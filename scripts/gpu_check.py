@@ -395,7 +395,9 @@ def decode_step(worker, batch: int, prompt: int, new: int) -> dict:
     ``prompt``-token random prompt, ``new`` tokens each (``bench.timed_decode``: the prefill excluded; two
     timed calls after a first, untimed one) — through the compiled step and its static cache where the worker
     compiles its decode (the bucket the round used at batch 32, so no new graph), else eagerly as the round decodes.
-    → ``{"batch", "compiled", "ms_per_step", "runs_ms_per_step", "first_call_seconds"}``."""
+    A compiled decode is timed once more with every dynamo guard checked on every step (``SKIP_WARM_GUARDS`` off;
+    ``all_guards_ms_per_step``). → ``{"batch", "compiled", "ms_per_step", "runs_ms_per_step", "first_call_seconds",
+    ["all_guards_ms_per_step"]}``."""
     from fedspear.experiments.bench import timed_decode
     from fedspear.runtime.compiled import compiled_decode
 
@@ -405,6 +407,17 @@ def decode_step(worker, batch: int, prompt: int, new: int) -> dict:
            "ms_per_step": statistics.median(runs), "runs_ms_per_step": runs, "first_call_seconds": first}
     _say(f"decode at batch {batch} ({'compiled' if out['compiled'] else 'eager'}): {out['ms_per_step']:.1f} ms per "
          f"step (runs {', '.join(f'{r:.1f}' for r in runs)}; first call {first:.1f} s)")
+    if out["compiled"]:  # the same, every guard checked on every step (runtime.compiled: "Guards")
+        from fedspear.runtime import compiled
+
+        compiled.SKIP_WARM_GUARDS = False
+        try:
+            _, rates = timed_decode(worker.model, worker.tokenizer, worker.dtype_used, batch, prompt, new, repeats=2)
+        finally:
+            compiled.SKIP_WARM_GUARDS = True
+        out["all_guards_ms_per_step"] = statistics.median(1e3 * batch / r for r in rates)
+        _say(f"decode at batch {batch} with every guard checked on every step: "
+             f"{out['all_guards_ms_per_step']:.1f} ms per step")
     try:  # where a step's time goes; never fails the step
         out["profile"] = profile_decode(worker, batch, prompt, new)
     except Exception as err:  # noqa: BLE001 - a diagnostic: say why and go on
@@ -539,7 +552,9 @@ def summary(args) -> int:
             if d:
                 how = "compiled" if d["compiled"] else "eager"
                 lines.append(f"{name} decode afterwards at batch {d['batch']}: {d['ms_per_step']:.1f} ms per step "
-                             f"({how}; first call {d['first_call_seconds']:.1f} s)")
+                             f"({how}; first call {d['first_call_seconds']:.1f} s)"
+                             + (f"; {d['all_guards_ms_per_step']:.1f} ms with every guard checked on every step"
+                                if d.get("all_guards_ms_per_step") else ""))
             prof = (d or {}).get("profile")
             if prof:
                 lines.append(f"{name} decode profiled: {prof['wall_ms_per_step']:.1f} ms of wall time per step, "

@@ -19,8 +19,9 @@
 #   3. model        a random-weight model of Qwen2.5-Coder-1.5B's shape (the export's config.json, from_config)
 #   4. round-compiled  two SPEAR client-rounds at `--preset paper --task strategy_qa` (32 prompts, N = 2, 256 tokens,
 #                   5 steps × 16) with compile_decode = on (round 1 includes compiling, round 2 is warm), then their
-#                   decode step timed at batch 32 and profiled (kernel time against wall time per step; torch's
-#                   graph-break, recompile and CUDA-graph hints in the log); skipped where fedspear has no such key
+#                   decode step timed at batch 32 (again with every dynamo guard checked on every step) and
+#                   profiled (kernel time against wall time per step; torch's graph-break, recompile and CUDA-graph
+#                   hints in the log); skipped where fedspear has no such key
 #   5. clients      a 5-client round: the same two rounds in 5 processes at once on the one GPU, each its own model
 #                   and share of the prompts, each round started together (what Flower's simulation does with
 #                   client_gpus = 0.2, without Ray, which cannot be carried); compile_decode = on, inductor's cache

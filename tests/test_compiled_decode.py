@@ -47,6 +47,7 @@ class Counting:
     def __init__(self):
         self.compiles = 0
         self.calls = 0
+        self.unguarded = 0  # calls made under the stance that checks only the guards telling graphs apart
 
     def __deepcopy__(self, memo):  # generate deep-copies its generation config, compile_config's backend with it
         return self
@@ -57,6 +58,7 @@ class Counting:
 
         def counted(*args):
             self.calls += 1
+            self.unguarded += torch._dynamo.eval_frame._stance.skip_guard_eval_unsafe
             return run(*args)
         return counted
 
@@ -217,6 +219,46 @@ def test_a_new_adapter_does_not_recompile(counting, arc_items):
     assert _answers(model, tokenizer, contexts, dtype_used) == eager_second
     assert counting.compiles == compiles  # no recompilation for the new adapter's values
     assert counting.calls > calls  # and its steps ran in the graph compiled for the first
+
+
+def test_a_warm_bucket_checks_only_the_guards_that_tell_graphs_apart(counting, arc_items):
+    """A bucket's first ``generate`` call checks every guard; its later calls run under
+    ``skip_guard_eval_unsafe`` (``CompiledDecode.guards``) and still answer as eager decoding does — with a new
+    adapter, and beside a second bucket's graph (the guards that are kept pick the right graph). A new bucket's
+    first call checks every guard again and compiles."""
+    model, tokenizer, dtype_used = _model("fp32")
+    contexts = _contexts(tokenizer, arc_items)
+    first, second = _adapter(model, seed=1), _adapter(model, seed=2)
+    eager = {}
+    for name, adapter in (("first", first), ("second", second)):
+        set_adapter(model, adapter)
+        eager[name] = (_answers(model, tokenizer, contexts[:4], dtype_used),
+                       _answers(model, tokenizer, contexts[4:9], dtype_used))
+    set_adapter(model, first)
+    use_compiled_decode(model, "on", backend=counting)
+    assert _answers(model, tokenizer, contexts[:4], dtype_used) == eager["first"][0]  # bucket 4: all guards
+    assert counting.compiles == 1 and counting.unguarded == 0
+    calls = counting.calls
+    assert _answers(model, tokenizer, contexts[:4], dtype_used) == eager["first"][0]  # warm
+    assert counting.unguarded == counting.calls - calls > 0 and counting.compiles == 1
+    unguarded = counting.unguarded
+    assert _answers(model, tokenizer, contexts[4:9], dtype_used) == eager["first"][1]  # bucket 8: all guards
+    assert counting.compiles == 2 and counting.unguarded == unguarded
+    set_adapter(model, second)
+    calls = counting.calls
+    assert _answers(model, tokenizer, contexts[:4], dtype_used) == eager["second"][0]  # both warm, a new adapter
+    assert _answers(model, tokenizer, contexts[4:9], dtype_used) == eager["second"][1]
+    assert counting.unguarded - unguarded == counting.calls - calls > 0 and counting.compiles == 2
+
+
+def test_with_the_guards_kept_every_call_checks_them_all(counting, monkeypatch, arc_items):
+    """``SKIP_WARM_GUARDS = False``: a warm bucket's calls check every guard too."""
+    monkeypatch.setattr(compiled, "SKIP_WARM_GUARDS", False)
+    model, tokenizer, dtype_used = _model("fp32")
+    use_compiled_decode(model, "on", backend=counting)
+    contexts = _contexts(tokenizer, arc_items)[:4]
+    assert _answers(model, tokenizer, contexts, dtype_used) == _answers(model, tokenizer, contexts, dtype_used)
+    assert counting.calls > 0 and counting.unguarded == 0
 
 
 def test_client_rounds_with_training_between_compile_once(counting, monkeypatch, arc_items):

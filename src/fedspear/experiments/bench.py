@@ -30,6 +30,7 @@ Figures are measurements of this machine at this moment: run it on an otherwise 
 
 from __future__ import annotations
 
+import contextlib
 import datetime as _dt
 import json
 import platform
@@ -281,7 +282,8 @@ def decode_cache(model, cache: str, capacity: int) -> dict:
 @torch.no_grad()
 def decode_tokens_per_s(model, tokenizer, dtype_used: str, batch: int, prompt: int, new: int, repeats: int = 3,
                         merge: bool | None = None, cache: str = "fedspear", per_call: Callable[[], dict] | None = None,
-                        first_call: list[float] | None = None, **generate_kwargs) -> list[float]:
+                        first_call: list[float] | None = None, guards: Callable | None = None,
+                        **generate_kwargs) -> list[float]:
     """Greedy decoding of exactly ``new`` tokens per row after a ``prompt``-token prefill, timed step by step
     (``StepClock``: the prefill excluded): decode tokens/s of each of ``repeats`` calls after a warm-up call. The
     adapter is merged into the weights when fedspear's generation would merge it (``merges_adapter``) unless
@@ -290,6 +292,7 @@ def decode_tokens_per_s(model, tokenizer, dtype_used: str, batch: int, prompt: i
     ``generate`` (e.g. a static cache, with ``cache = "transformers"``); ``per_call()``, when given, returns more of
     them afresh for every call (a compiled decode's zeroed static cache: ``CompiledDecode.generate_kwargs``).
     ``first_call``, when given, gets the warm-up call's wall seconds appended (a compiled step's compilation).
+    ``guards()``, when given, is entered around every call (a compiled decode's ``CompiledDecode.guards``).
 
     Raises:
         ValueError: ``new`` < 2 (no decode step to time).
@@ -310,7 +313,8 @@ def decode_tokens_per_s(model, tokenizer, dtype_used: str, batch: int, prompt: i
         start = time.perf_counter()
         clock = StepClock(device)
         extra = dict(generate_kwargs, **decode_cache(model, cache, prompt + new), **(per_call() if per_call else {}))
-        with autocast(dtype_used, device.type), merged_adapter(model, enabled=merge):
+        with autocast(dtype_used, device.type), merged_adapter(model, enabled=merge), \
+                (guards() if guards else contextlib.nullcontext()):
             model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=new, min_new_tokens=new,
                            do_sample=False, pad_token_id=tokenizer.pad_token_id, use_cache=True,
                            logits_processor=LogitsProcessorList([clock]), **extra)
@@ -323,13 +327,15 @@ def decode_tokens_per_s(model, tokenizer, dtype_used: str, batch: int, prompt: i
 def timed_decode(model, tokenizer, dtype_used: str, batch: int, prompt: int, new: int,
                  repeats: int) -> tuple[float, list[float]]:
     """``decode_tokens_per_s`` the way ``model`` decodes in a round: through its compiled step (a zeroed static
-    cache per call, no merging) where it has one (``runtime.compiled.use_compiled_decode``), else eagerly →
-    (the warm-up call's wall seconds, decode tokens/s of each of the ``repeats`` calls after it)."""
+    cache per call, no merging, a warm bucket's guards skipped as in a round) where it has one
+    (``runtime.compiled.use_compiled_decode``), else eagerly → (the warm-up call's wall seconds, decode tokens/s of
+    each of the ``repeats`` calls after it)."""
     from ..runtime.compiled import compiled_decode
 
     compiled, first = compiled_decode(model), []
     timing = {} if compiled is None else dict(
-        merge=False, cache="transformers", per_call=lambda: compiled.generate_kwargs(model, batch, prompt + new))
+        merge=False, cache="transformers", per_call=lambda: compiled.generate_kwargs(model, batch, prompt + new),
+        guards=lambda: compiled.guards(batch, prompt + new, dtype_used))
     runs = decode_tokens_per_s(model, tokenizer, dtype_used, batch, prompt, new, repeats=repeats, first_call=first,
                                **timing)
     return first[0], runs

@@ -4,6 +4,7 @@ the chat page.
 
 from __future__ import annotations
 
+import contextlib
 from typing import Sequence
 
 import torch
@@ -168,7 +169,9 @@ def _generate_batches(model, tokenizer, contexts, max_new_tokens, dtype_used, do
             cache = kwargs.pop("past_key_values")
         else:
             cache = preallocated_cache(model, prefix + width + max_new_tokens)  # None: transformers' own cache
-        with autocast(dtype_used, device.type):
+        guards = compiled.guards(len(chunk), width + max_new_tokens, dtype_used) if compiled is not None \
+            else contextlib.nullcontext()
+        with autocast(dtype_used, device.type), guards:
             if prefix:
                 cache = model(input_ids=input_ids[:1, :prefix], past_key_values=cache, use_cache=True).past_key_values
                 cache.batch_repeat_interleave(len(chunk))

@@ -44,7 +44,9 @@ def test_fast_dropout_has_dropouts_distribution():
             FastDropout(bad)
 
 
-def test_add_lora_draws_dropout_with_fast_dropout():
+def test_add_lora_draws_dropout_with_fast_dropout_on_the_cpu_only():
+    """On the CPU the adapter's dropout is FastDropout; a model on another device (``meta`` standing in for a GPU)
+    keeps peft's nn.Dropout, which a GPU runs as one fused kernel."""
     from fedspear.runtime.model import LoraSettings, add_lora, tiny_model
 
     kinds = lambda m: {type(d).__name__ for mod in m.modules() if isinstance(getattr(mod, "lora_dropout", None),
@@ -52,6 +54,8 @@ def test_add_lora_draws_dropout_with_fast_dropout():
                        for d in mod.lora_dropout.values()}
     assert kinds(add_lora(tiny_model(seed=0)[0], LoraSettings(r=4, alpha=8, dropout=0.1))) == {"FastDropout"}
     assert kinds(add_lora(tiny_model(seed=0)[0], LoraSettings(r=4, alpha=8, dropout=0.0))) == {"Identity"}
+    elsewhere = tiny_model(seed=0)[0].to("meta")
+    assert kinds(add_lora(elsewhere, LoraSettings(r=4, alpha=8, dropout=0.1))) == {"Dropout"}
 
 
 def test_bf16_linear_weights_give_autocasts_outputs_and_gradients_bitwise():

@@ -33,6 +33,16 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip)
 
 
+@pytest.fixture(autouse=True)
+def no_frozen_objects_between_tests():
+    """``runtime.memory.release_memory`` freezes what survives it (``gc.freeze``), as a long-lived client should; a
+    test that ran rounds must not leave the next test's garbage out of the collector's reach."""
+    import gc
+
+    yield
+    gc.unfreeze()
+
+
 @pytest.fixture(scope="session")
 def tiny():
     """``(peft model, tokenizer)``: a randomly initialised 2-layer Llama wrapped with a fresh LoRA adapter."""

@@ -223,7 +223,7 @@ def test_a_new_adapter_does_not_recompile(counting, arc_items):
 
 def test_a_warm_bucket_checks_only_the_guards_that_tell_graphs_apart(counting, arc_items):
     """A bucket's first ``generate`` call checks every guard; its later calls run under
-    ``skip_guard_eval_unsafe`` (``CompiledDecode.guards``) and still answer as eager decoding does — with a new
+    ``skip_guard_eval_unsafe`` (``CompiledDecode.decode``) and still answer as eager decoding does — with a new
     adapter, and beside a second bucket's graph (the guards that are kept pick the right graph). A new bucket's
     first call checks every guard again and compiles."""
     model, tokenizer, dtype_used = _model("fp32")
@@ -249,6 +249,25 @@ def test_a_warm_bucket_checks_only_the_guards_that_tell_graphs_apart(counting, a
     assert _answers(model, tokenizer, contexts[:4], dtype_used) == eager["second"][0]  # both warm, a new adapter
     assert _answers(model, tokenizer, contexts[4:9], dtype_used) == eager["second"][1]
     assert counting.unguarded - unguarded == counting.calls - calls > 0 and counting.compiles == 2
+
+
+def test_a_bucket_is_warm_only_once_a_compiled_step_ran_and_a_warm_call_without_a_graph_compiles(counting,
+                                                                                                  arc_items):
+    """A call that ran no compiled step (one new token: the prefill's) leaves its bucket cold. A bucket taken for
+    warm that has no graph (set by hand here) is refused by torch under the stance ("Recompilation triggered with
+    skip_guard_eval_unsafe stance"); ``CompiledDecode.decode`` then runs the call again with every guard: it
+    compiles, answers as eager decoding does, and the bucket is warm after."""
+    model, tokenizer, dtype_used = _model("fp32")
+    contexts = _contexts(tokenizer, arc_items)[:4]
+    eager = _answers(model, tokenizer, contexts, dtype_used)
+    use_compiled_decode(model, "on", backend=counting)
+    state = compiled_decode(model)
+    generate(model, tokenizer, contexts, max_new_tokens=1, dtype_used=dtype_used, do_sample=False)
+    assert state.warm == set() and counting.calls == 0
+    key = (4, cache_bucket(max(len(c) for c in contexts) + NEW), dtype_used)
+    state.warm.add(key)
+    assert _answers(model, tokenizer, contexts, dtype_used) == eager
+    assert counting.compiles == 1 and counting.unguarded == 0 and state.warm == {key}
 
 
 def test_with_the_guards_kept_every_call_checks_them_all(counting, monkeypatch, arc_items):

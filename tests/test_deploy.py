@@ -147,6 +147,39 @@ def test_a_node_with_its_own_data_trains_on_all_of_it(tmp_path, monkeypatch, alw
     assert runner.worker.loaded.data_dir == str(local.parent)
 
 
+def test_a_new_worker_is_loaded_after_the_old_model_is_freed(monkeypatch):
+    """A node whose run needs another model (here another LoRA rank) drops its worker and frees the old model — a
+    reference cycle that ``release_memory`` had frozen with the other survivors of a round — before loading the new
+    one, so the two are never held together."""
+    import gc
+    import weakref
+
+    from fedspear.fl.node_worker import NodeRunner
+    from fedspear.runtime.memory import release_memory
+    from fedspear.worker import Worker
+
+    cfg = RunConfig(model="tiny-random", num_clients=4, lora_r=4, lora_alpha=8)
+    runner = NodeRunner()
+    first, _ = runner.worker_for(cfg)
+    freed = []
+    weakref.finalize(first.model, freed.append, "old model")
+    del first
+    try:
+        release_memory()  # a round's end: the loaded worker is frozen with the survivors
+        assert gc.get_freeze_count() > 0
+        load = Worker.load
+
+        def load_checking(new_cfg):
+            assert freed == ["old model"], "the old model was still held when the new one began to load"
+            return load(new_cfg)
+
+        monkeypatch.setattr(Worker, "load", staticmethod(load_checking))
+        second, seconds = runner.worker_for(RunConfig(model="tiny-random", num_clients=4, lora_r=8, lora_alpha=16))
+        assert second.loaded.lora_r == 8 and seconds > 0 and runner.loads == 2
+    finally:
+        gc.unfreeze()
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

@@ -30,7 +30,6 @@ Figures are measurements of this machine at this moment: run it on an otherwise 
 
 from __future__ import annotations
 
-import contextlib
 import datetime as _dt
 import json
 import platform
@@ -282,7 +281,7 @@ def decode_cache(model, cache: str, capacity: int) -> dict:
 @torch.no_grad()
 def decode_tokens_per_s(model, tokenizer, dtype_used: str, batch: int, prompt: int, new: int, repeats: int = 3,
                         merge: bool | None = None, cache: str = "fedspear", per_call: Callable[[], dict] | None = None,
-                        first_call: list[float] | None = None, guards: Callable | None = None,
+                        first_call: list[float] | None = None, run: Callable | None = None,
                         **generate_kwargs) -> list[float]:
     """Greedy decoding of exactly ``new`` tokens per row after a ``prompt``-token prefill, timed step by step
     (``StepClock``: the prefill excluded): decode tokens/s of each of ``repeats`` calls after a warm-up call. The
@@ -292,7 +291,7 @@ def decode_tokens_per_s(model, tokenizer, dtype_used: str, batch: int, prompt: i
     ``generate`` (e.g. a static cache, with ``cache = "transformers"``); ``per_call()``, when given, returns more of
     them afresh for every call (a compiled decode's zeroed static cache: ``CompiledDecode.generate_kwargs``).
     ``first_call``, when given, gets the warm-up call's wall seconds appended (a compiled step's compilation).
-    ``guards()``, when given, is entered around every call (a compiled decode's ``CompiledDecode.guards``).
+    ``run(call)``, when given, makes every call (a compiled decode's ``CompiledDecode.decode``).
 
     Raises:
         ValueError: ``new`` < 2 (no decode step to time).
@@ -312,12 +311,15 @@ def decode_tokens_per_s(model, tokenizer, dtype_used: str, batch: int, prompt: i
     for i in range(repeats + 1):
         start = time.perf_counter()
         clock = StepClock(device)
-        extra = dict(generate_kwargs, **decode_cache(model, cache, prompt + new), **(per_call() if per_call else {}))
-        with autocast(dtype_used, device.type), merged_adapter(model, enabled=merge), \
-                (guards() if guards else contextlib.nullcontext()):
-            model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=new, min_new_tokens=new,
-                           do_sample=False, pad_token_id=tokenizer.pad_token_id, use_cache=True,
-                           logits_processor=LogitsProcessorList([clock]), **extra)
+
+        def call():
+            extra = dict(generate_kwargs, **decode_cache(model, cache, prompt + new),
+                         **(per_call() if per_call else {}))
+            return model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=new,
+                                  min_new_tokens=new, do_sample=False, pad_token_id=tokenizer.pad_token_id,
+                                  use_cache=True, logits_processor=LogitsProcessorList([clock]), **extra)
+        with autocast(dtype_used, device.type), merged_adapter(model, enabled=merge):
+            run(call) if run else call()
         rates.append(clock.tokens_per_s(batch))
         if i == 0 and first_call is not None:
             first_call.append(time.perf_counter() - start)
@@ -335,7 +337,7 @@ def timed_decode(model, tokenizer, dtype_used: str, batch: int, prompt: int, new
     compiled, first = compiled_decode(model), []
     timing = {} if compiled is None else dict(
         merge=False, cache="transformers", per_call=lambda: compiled.generate_kwargs(model, batch, prompt + new),
-        guards=lambda: compiled.guards(batch, prompt + new, dtype_used))
+        run=lambda call: compiled.decode(model, batch, prompt + new, dtype_used, call, steps=lambda _: new - 1))
     runs = decode_tokens_per_s(model, tokenizer, dtype_used, batch, prompt, new, repeats=repeats, first_call=first,
                                **timing)
     return first[0], runs
@@ -613,6 +615,7 @@ def scaling(model: str = "smollm2-135m", dtype: str = "auto", quick: bool = Fals
                                       for k in ("tokens_generated", "revisions_attempted")}})
         out["axes"][axis] = rows
     del worker
+    release_memory(full=True)  # its model, frozen with the survivors of its rounds, before the simulations below
     base_dir = Path(output_dir or tempfile.mkdtemp(prefix="fedspear-scaling-"))
     rows = []
     for value in axes["clients_per_round"]:

@@ -53,6 +53,7 @@ from fedspear.worker import Worker
 from fedspear.config import RunConfig
 from fedspear.fl.partition import dirichlet_partitions
 from fedspear.human.store import TraceStore
+from fedspear.runtime.memory import release_memory
 
 log = logging.getLogger("fedspear.node_worker")
 
@@ -116,6 +117,9 @@ class NodeRunner:
         seconds = 0.0
         if self.worker is None or not self.worker.compatible(cfg):
             t0 = time.perf_counter()
+            if self.worker is not None:  # free the old model before loading the new one (a cycle: the collector's)
+                self.worker = None
+                release_memory(full=True)
             self.worker = Worker.load(cfg)
             seconds = time.perf_counter() - t0
             self.loads += 1

@@ -193,6 +193,7 @@ def simulate(cfg: RunConfig, on_round: Callable[[dict], None] | None = None, ver
         ray = sys.modules.get("ray")
         if ray is not None and ray.is_initialized():
             ray.shutdown()
+        memory.release_memory(full=True)  # the run's server-side models, frozen by its rounds' releases
     if "error" in outcome:
         raise outcome["error"]  # type: ignore[misc]
     if "records" not in outcome:

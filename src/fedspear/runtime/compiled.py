@@ -40,18 +40,22 @@ Static shapes, bucketed (decisions, 2026-11-27):
 
 Guards (decision, 2026-11-29): before each call of a compiled graph dynamo checks its guards — that every input,
 parameter and module attribute the graph was traced with still looks as it did. For a model of Qwen2.5-1.5B's
-depth with a LoRA adapter that is hundreds of parameters and module attributes on every decode step: 2.5–3.9 ms per
+depth with a LoRA adapter that is hundreds of parameters and module attributes on every decode step: 2.6–3.9 ms per
 step on the Zen 4 CPU (a 28-layer, 64-wide Qwen2 with an r-16 adapter, inductor, ``bench.timed_decode``, all guards
 → the kept ones, medians of 12 timings in 6 alternating pairs: batch 32 26.2 → 23.6 and 30.9 → 27.3 ms per step,
 batch 8 21.3 → 17.4 ms), host time a GPU step pays as well. So once a (batch, cache length, dtype) bucket has
 decoded with every guard checked — any graph it needs compiled then — its later ``generate`` calls run under
-``torch.compiler.set_stance(skip_guard_eval_unsafe=True)`` (``CompiledDecode.guards``): dynamo then checks only the
+``torch.compiler.set_stance(skip_guard_eval_unsafe=True)`` (``CompiledDecode.decode``): dynamo then checks only the
 guards that tell this process's compiled graphs apart — every input tensor that is not a parameter (token ids,
 positions, mask, the static cache) and whatever guard once failed and caused a recompilation — and skips those on
 the parameters and the modules. What it skips cannot change between calls of one bucket: ``generate`` always
 decodes in eval mode with the adapter enabled, and the adapter's values are written in place (the tensors the graph
-reads). torch calls the stance unsafe because a call needing a graph not yet compiled could run a wrong one; a
-bucket first runs with all guards for that reason. ``SKIP_WARM_GUARDS = False`` turns this off.
+reads). What the stance leaves unchecked is module state — training mode, peft's adapter flags, merged weights,
+hooks — so a ``generate`` that changed any of it would need every guard again; fedspear's does not (training mode is
+checked, and the compiled path never merges). torch calls the stance unsafe because a call needing a graph not yet
+compiled could run a wrong one; a bucket first runs with all guards for that reason, and in torch 2.13 a warm call
+that finds no graph raises rather than running another (``CompiledDecode.decode`` then runs it again with every
+guard). ``SKIP_WARM_GUARDS = False`` turns this off.
 
 Not compiled: the prefill, training, log-likelihood scoring and evaluation's forwards (eager; their shapes vary).
 Prefix sharing (``generate``'s ``reuse_prefix``, a CPU saving) is off on this path: the static cache is filled by
@@ -60,10 +64,10 @@ one prefill of the padded batch.
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import inspect
 from dataclasses import dataclass, field
+from typing import Callable, TypeVar
 
 import torch
 
@@ -73,6 +77,7 @@ CUDA_MODE = "reduce-overhead"  # torch.compile mode on a CUDA GPU: inductor with
 BACKEND = "inductor"  # torch.compile backend (tests may use "aot_eager": same kernels as eager, compiles in seconds)
 ATTRIBUTE = "fedspear_compiled_decode"  # where a model keeps its CompiledDecode
 SKIP_WARM_GUARDS = True  # a bucket's calls after its first check only the guards that tell graphs apart (docstring)
+T = TypeVar("T")
 
 
 def compiles_decode(setting: str, device: torch.device) -> bool:
@@ -112,19 +117,34 @@ class CompiledDecode:
     caches: dict = field(default_factory=dict)
     warm: set = field(default_factory=set)
 
-    @contextlib.contextmanager
-    def guards(self, rows: int, positions: int, dtype_used: str):
-        """The block is one ``generate`` call of ``rows`` rows (a batch bucket) and up to ``positions`` positions
-        under ``dtype_used``: the bucket's first call checks every guard (and compiles what it needs); once one has
-        finished, later calls check only the guards that tell this process's graphs apart (module docstring,
-        "Guards"; with ``SKIP_WARM_GUARDS`` off, or a torch without the stance, every call checks all)."""
+    def decode(self, model, rows: int, positions: int, dtype_used: str, call: Callable[[], T],
+               steps: Callable[[T], int]) -> T:
+        """``call()`` — one ``generate`` call of ``rows`` rows (a batch bucket) and up to ``positions`` positions
+        under ``dtype_used`` — with the guards of module docstring's "Guards": all of them until the bucket has run
+        a compiled step (``steps(result)``: how many the call ran; a call whose rows all stopped after their first
+        token ran none), then only those that tell this process's graphs apart. Where a warm call finds no graph
+        for its inputs, torch refuses to compile under that stance ("Recompilation triggered with
+        skip_guard_eval_unsafe stance"): the call runs again with every guard (it may compile) and the bucket is
+        warm again only after. Every guard is checked whenever ``SKIP_WARM_GUARDS`` is off, the model is in
+        training mode (``generate`` puts it in eval mode: a graph traced in one mode must not serve the other) or
+        this torch has no such stance.
+
+        Returns:
+            What ``call()`` returned.
+        """
         key = (rows, cache_bucket(positions), dtype_used)
-        if key in self.warm and SKIP_WARM_GUARDS and _stance_skips_guards():
-            with torch.compiler.set_stance("default", skip_guard_eval_unsafe=True):
-                yield
-            return
-        yield
-        self.warm.add(key)
+        if key in self.warm and SKIP_WARM_GUARDS and not model.training and _stance_skips_guards():
+            try:
+                with torch.compiler.set_stance(_current_stance(), skip_guard_eval_unsafe=True):
+                    return call()
+            except RuntimeError as err:
+                if "skip_guard_eval_unsafe" not in str(err):
+                    raise
+                self.warm.discard(key)
+        result = call()
+        if steps(result) > 0:
+            self.warm.add(key)
+        return result
 
     def cache(self, model, batch: int, length: int):
         """The ``StaticCache`` of bucket (``batch``, ``length``) for ``model``, zeroed (made on first use, on the
@@ -153,6 +173,13 @@ class CompiledDecode:
         sizes (``generation.generate`` does; a benchmark at batch 1, 8 or 32 is a bucket already)."""
         return {"past_key_values": self.cache(model, rows, cache_bucket(positions)),
                 "compile_config": self.compile_config}
+
+
+def _current_stance() -> str:
+    """torch.compile's stance now (``"default"`` unless a caller set another, e.g. ``"force_eager"``), kept when the
+    guards are skipped."""
+    stance = getattr(getattr(torch._dynamo, "eval_frame", None), "_stance", None)
+    return getattr(stance, "stance", "default")
 
 
 @functools.cache

@@ -4,7 +4,6 @@ the chat page.
 
 from __future__ import annotations
 
-import contextlib
 from typing import Sequence
 
 import torch
@@ -165,30 +164,34 @@ def _generate_batches(model, tokenizer, contexts, max_new_tokens, dtype_used, do
             kwargs["stopping_criteria"] = [steps]
         if compiled is not None:
             kwargs["stopping_criteria"] = kwargs.get("stopping_criteria", []) + [_PaddingRows(real)]
-            kwargs.update(compiled.generate_kwargs(model, len(chunk), width + max_new_tokens))
-            cache = kwargs.pop("past_key_values")
+            cache = None  # the bucket's static cache, zeroed for each attempt (call below)
         else:
             cache = preallocated_cache(model, prefix + width + max_new_tokens)  # None: transformers' own cache
-        guards = compiled.guards(len(chunk), width + max_new_tokens, dtype_used) if compiled is not None \
-            else contextlib.nullcontext()
-        with autocast(dtype_used, device.type), guards:
+
+        def call():
+            extra = compiled.generate_kwargs(model, len(chunk), width + max_new_tokens) if compiled is not None \
+                else ({"past_key_values": cache} if cache is not None else {})
+            return model.generate(
+                input_ids=input_ids,
+                attention_mask=attention,
+                max_new_tokens=max_new_tokens,
+                eos_token_id=eos,
+                pad_token_id=pad,
+                use_cache=True,
+                return_dict_in_generate=True,
+                output_logits=first_logits is not None,
+                **kwargs,
+                **extra,
+            )
+
+        with autocast(dtype_used, device.type):
             if prefix:
                 cache = model(input_ids=input_ids[:1, :prefix], past_key_values=cache, use_cache=True).past_key_values
                 cache.batch_repeat_interleave(len(chunk))
-            if cache is not None:
-                kwargs["past_key_values"] = cache
             try:
-                generated = model.generate(
-                    input_ids=input_ids,
-                    attention_mask=attention,
-                    max_new_tokens=max_new_tokens,
-                    eos_token_id=eos,
-                    pad_token_id=pad,
-                    use_cache=True,
-                    return_dict_in_generate=True,
-                    output_logits=first_logits is not None,
-                    **kwargs,
-                )
+                generated = call() if compiled is None else compiled.decode(
+                    model, len(chunk), width + max_new_tokens, dtype_used, call,
+                    steps=lambda out: out.sequences.shape[1] - input_ids.shape[1] - 1)  # the first token: prefill's
             except Exception as err:
                 if compiled is None:
                     raise

@@ -50,7 +50,7 @@ FULL_COLLECTION_EVERY = 10  # release_memory calls: every 10th scans all objects
 _releases = 0  # release_memory calls so far in this process
 
 
-def release_memory() -> float:
+def release_memory(full: bool = False) -> float:
     """Give the memory a finished phase freed back to the OS; return this process's resident memory after (MiB).
 
     glibc's malloc keeps freed heap pages for reuse, and after the first large tensors are freed it raises its mmap
@@ -61,11 +61,14 @@ def release_memory() -> float:
 
     Python's cycle collector runs first (``gc.collect``). A full pass costs time in proportion to every object
     Python tracks, and almost all of them live as long as the process (libraries, the model, a compiled decode's
-    graphs): on the Zen 4 machine 0.2–0.3 s per round for a SmolLM2 client, 0.5–0.65 s once the decode of a
+    graphs): on the Zen 4 machine 0.2–0.3 s per round for a SmolLM2 client, ≈ 0.5 s once the decode of a
     28-layer model (Qwen2.5-1.5B's depth) is compiled, ≈ 0.9 M objects. So what survives a pass is frozen
     (``gc.freeze``: later passes skip it) and the next call scans only what was allocated since; every
     ``FULL_COLLECTION_EVERY``-th call unfreezes first (``gc.unfreeze``) and scans everything, so a reference cycle
-    among objects that were alive at an earlier call is freed within that many calls (docs/performance.md).
+    among objects that were alive at an earlier call is freed within that many calls (docs/performance.md). A caller
+    that has just dropped such an object, a model above all (a peft model is a reference cycle), passes ``full=True``
+    to scan everything at once. Frozen objects are out of ``gc.get_objects()`` and ``gc.get_referrers()`` until
+    the next full pass (debugging aids; nothing in fedspear uses them).
     """
     import ctypes
     import ctypes.util
@@ -73,7 +76,7 @@ def release_memory() -> float:
 
     global _releases
     _releases += 1
-    if _releases % FULL_COLLECTION_EVERY == 0:
+    if full or _releases % FULL_COLLECTION_EVERY == 0:
         gc.unfreeze()
     gc.collect()
     gc.freeze()

@@ -208,7 +208,8 @@ def test_reset_peak_makes_a_later_peak_its_own():
 
 def test_release_memory_frees_new_cycles_and_scans_frozen_objects_every_nth_call(monkeypatch):
     """A reference cycle dropped since the last call is freed by the next one; a cycle that was alive at a call is
-    frozen with the survivors and freed by the next full pass (every ``FULL_COLLECTION_EVERY``-th call), not before."""
+    frozen with the survivors and freed by the next full pass (every ``FULL_COLLECTION_EVERY``-th call), not before
+    (conftest unfreezes after the test)."""
     import gc
     import weakref
 
@@ -221,25 +222,22 @@ def test_release_memory_frees_new_cycles_and_scans_frozen_objects_every_nth_call
     monkeypatch.setattr(memory, "FULL_COLLECTION_EVERY", 3)
     monkeypatch.setattr(memory, "_releases", 0)
     freed: list[str] = []
-    try:
-        memory.release_memory()  # call 1
-        young = Node()
-        weakref.finalize(young, freed.append, "young")
-        del young
-        memory.release_memory()  # call 2: scans what was allocated since call 1
-        assert freed == ["young"]
-        old = Node()
-        weakref.finalize(old, freed.append, "old")
-        memory.release_memory()  # call 3, a full pass: old is alive, so it is frozen with the survivors after it
-        assert gc.get_freeze_count() > 0
-        del old
-        memory.release_memory()  # call 4: old is frozen, not scanned
-        memory.release_memory()  # call 5
-        assert freed == ["young"]
-        memory.release_memory()  # call 6: a full pass
-        assert freed == ["young", "old"]
-    finally:
-        gc.unfreeze()
+    memory.release_memory()  # call 1
+    young = Node()
+    weakref.finalize(young, freed.append, "young")
+    del young
+    memory.release_memory()  # call 2: scans what was allocated since call 1
+    assert freed == ["young"]
+    old = Node()
+    weakref.finalize(old, freed.append, "old")
+    memory.release_memory()  # call 3, a full pass: old is alive, so it is frozen with the survivors after it
+    assert gc.get_freeze_count() > 0
+    del old
+    memory.release_memory()  # call 4: old is frozen, not scanned
+    memory.release_memory()  # call 5
+    assert freed == ["young"]
+    memory.release_memory()  # call 6: a full pass
+    assert freed == ["young", "old"]
 
 
 @pytest.mark.skipif(not Path("/proc/self/smaps_rollup").exists(), reason="needs Linux's /proc/<pid>/smaps_rollup")

@@ -164,20 +164,17 @@ def test_a_new_worker_is_loaded_after_the_old_model_is_freed(monkeypatch):
     freed = []
     weakref.finalize(first.model, freed.append, "old model")
     del first
-    try:
-        release_memory()  # a round's end: the loaded worker is frozen with the survivors
-        assert gc.get_freeze_count() > 0
-        load = Worker.load
+    release_memory()  # a round's end: the loaded worker is frozen with the survivors
+    assert gc.get_freeze_count() > 0
+    load = Worker.load
 
-        def load_checking(new_cfg):
-            assert freed == ["old model"], "the old model was still held when the new one began to load"
-            return load(new_cfg)
+    def load_checking(new_cfg):
+        assert freed == ["old model"], "the old model was still held when the new one began to load"
+        return load(new_cfg)
 
-        monkeypatch.setattr(Worker, "load", staticmethod(load_checking))
-        second, seconds = runner.worker_for(RunConfig(model="tiny-random", num_clients=4, lora_r=8, lora_alpha=16))
-        assert second.loaded.lora_r == 8 and seconds > 0 and runner.loads == 2
-    finally:
-        gc.unfreeze()
+    monkeypatch.setattr(Worker, "load", staticmethod(load_checking))
+    second, seconds = runner.worker_for(RunConfig(model="tiny-random", num_clients=4, lora_r=8, lora_alpha=16))
+    assert second.loaded.lora_r == 8 and seconds > 0 and runner.loads == 2
 
 
 def _free_port() -> int:

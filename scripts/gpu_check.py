@@ -396,9 +396,13 @@ def decode_step(worker, batch: int, prompt: int, new: int) -> dict:
     timed calls after a first, untimed one) — through the compiled step and its static cache where the worker
     compiles its decode (the bucket the round used at batch 32, so no new graph), else eagerly as the round decodes.
     A compiled decode is then timed in two alternating pairs of calls, with every dynamo guard checked on every
-    step (``SKIP_WARM_GUARDS`` off: ``all_guards_ms_per_step``) and as rounds decode (``warm_guards_ms_per_step``).
+    step (``SKIP_WARM_GUARDS`` off: ``all_guards_ms_per_step``) and as rounds decode (``warm_guards_ms_per_step``),
+    then in two more with the stop check read on every step (``DEFER_STOP_CHECK`` off:
+    ``every_step_stop_check_ms_per_step``) and one step late, as rounds decode (``deferred_stop_check_ms_per_step``).
+    Then ``host_syncs`` counts a sampled call's waits for the GPU, and ``profile_decode`` profiles a step.
     → ``{"batch", "compiled", "ms_per_step", "runs_ms_per_step", "first_call_seconds", ["all_guards_ms_per_step",
-    "warm_guards_ms_per_step"]}``."""
+    "warm_guards_ms_per_step", "every_step_stop_check_ms_per_step", "deferred_stop_check_ms_per_step"],
+    "host_syncs", "profile"}``."""
     from fedspear.experiments.bench import timed_decode
     from fedspear.runtime.compiled import compiled_decode
 
@@ -408,27 +412,76 @@ def decode_step(worker, batch: int, prompt: int, new: int) -> dict:
            "ms_per_step": statistics.median(runs), "runs_ms_per_step": runs, "first_call_seconds": first}
     _say(f"decode at batch {batch} ({'compiled' if out['compiled'] else 'eager'}): {out['ms_per_step']:.1f} ms per "
          f"step (runs {', '.join(f'{r:.1f}' for r in runs)}; first call {first:.1f} s)")
-    if out["compiled"]:  # again, alternating: every guard checked on every step, and a warm bucket's skipped
-        from fedspear.runtime import compiled
+    if out["compiled"]:  # again, alternating: with and without each of the compiled decode's two host-time savings
+        def alternating(flag: str) -> tuple[float, float]:
+            """Median ms per step with ``runtime.compiled.<flag>`` off and on: two pairs of calls, alternating."""
+            from fedspear.runtime import compiled
 
-        keep, times = compiled.SKIP_WARM_GUARDS, {True: [], False: []}
-        try:
-            for _ in range(2):
-                for skip in (False, True):
-                    compiled.SKIP_WARM_GUARDS = skip
-                    _, rates = timed_decode(worker.model, worker.tokenizer, worker.dtype_used, batch, prompt, new,
-                                            repeats=1)
-                    times[skip] += [1e3 * batch / r for r in rates]
-        finally:
-            compiled.SKIP_WARM_GUARDS = keep
-        out["all_guards_ms_per_step"] = statistics.median(times[False])
-        out["warm_guards_ms_per_step"] = statistics.median(times[True])
+            keep, times = getattr(compiled, flag), {True: [], False: []}
+            try:
+                for _ in range(2):
+                    for value in (False, True):
+                        setattr(compiled, flag, value)
+                        _, rates = timed_decode(worker.model, worker.tokenizer, worker.dtype_used, batch, prompt,
+                                                new, repeats=1)
+                        times[value] += [1e3 * batch / r for r in rates]
+            finally:
+                setattr(compiled, flag, keep)
+            return statistics.median(times[False]), statistics.median(times[True])
+
+        out["all_guards_ms_per_step"], out["warm_guards_ms_per_step"] = alternating("SKIP_WARM_GUARDS")
         _say(f"decode at batch {batch}, alternating: {out['warm_guards_ms_per_step']:.1f} ms per step with a warm "
              f"bucket's guards skipped, {out['all_guards_ms_per_step']:.1f} ms with every guard checked")
+        # the stop check read on every step (transformers' default) or one step late (as rounds decode)
+        out["every_step_stop_check_ms_per_step"], out["deferred_stop_check_ms_per_step"] = alternating(
+            "DEFER_STOP_CHECK")
+        _say(f"decode at batch {batch}, alternating: {out['deferred_stop_check_ms_per_step']:.1f} ms per step with "
+             f"the stop check deferred, {out['every_step_stop_check_ms_per_step']:.1f} ms with it read every step")
+    try:  # how often a sampled call, as rounds make them, waits for the GPU; never fails the step
+        out["host_syncs"] = host_syncs(worker, batch, prompt, new)
+    except Exception as err:  # noqa: BLE001 - a diagnostic: say why and go on
+        _say(f"host synchronisations not counted: {type(err).__name__}: {err}")
     try:  # where a step's time goes; never fails the step
         out["profile"] = profile_decode(worker, batch, prompt, new)
     except Exception as err:  # noqa: BLE001 - a diagnostic: say why and go on
         _say(f"decode profile not taken: {type(err).__name__}: {err}")
+    return out
+
+
+def host_syncs(worker, batch: int, prompt: int, new: int) -> dict:
+    """One sampled ``generate`` call as a round makes them (``runtime.generation.generate``: ``batch`` random prompts
+    of ``prompt`` tokens, ``new`` new tokens, temperature 0.8, top-p 0.95) with torch's CUDA sync debug mode warning
+    at every operation that makes the host wait for the GPU: how many, per new token, and the lines of Python that
+    caused them (most first). Once per call (the prompt's upload, the answers' download) is the floor; once or more
+    per step means host and GPU take turns (``runtime.compiled``, "Stop checks"). → ``{"syncs", "per_step",
+    "where": [[file:line, count], ...]}``; ``{}`` without a GPU."""
+    import warnings
+
+    import torch
+
+    from fedspear.runtime.generation import generate
+
+    if not (torch.cuda.is_available() and next(worker.model.parameters()).is_cuda):
+        return {}
+    contexts = torch.randint(100, 1000, (batch, prompt)).tolist()
+    generate(worker.model, worker.tokenizer, contexts, max_new_tokens=new, dtype_used=worker.dtype_used)  # warm
+    torch.cuda.synchronize()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            generate(worker.model, worker.tokenizer, contexts, max_new_tokens=new, dtype_used=worker.dtype_used)
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    syncs = [w for w in caught if "synchroniz" in str(w.message)]
+    where: dict[str, int] = {}
+    for w in syncs:
+        key = f"{Path(w.filename).name}:{w.lineno}"
+        where[key] = where.get(key, 0) + 1
+    out = {"syncs": len(syncs), "per_step": len(syncs) / new,
+           "where": sorted(([k, v] for k, v in where.items()), key=lambda kv: -kv[1])[:10]}
+    _say(f"a sampled call at batch {batch}, {new} new tokens: {out['syncs']} host synchronisations "
+         f"({out['per_step']:.2f} per step); where: " + ", ".join(f"{k} ×{v}" for k, v in out["where"][:5]))
     return out
 
 
@@ -562,7 +615,15 @@ def summary(args) -> int:
                              f"({how}; first call {d['first_call_seconds']:.1f} s)"
                              + (f"; alternating, {d['warm_guards_ms_per_step']:.1f} ms with a warm bucket's guards "
                                 f"skipped, {d['all_guards_ms_per_step']:.1f} ms with every guard checked"
-                                if d.get("all_guards_ms_per_step") else ""))
+                                if d.get("all_guards_ms_per_step") else "")
+                             + (f"; alternating, {d['deferred_stop_check_ms_per_step']:.1f} ms with the stop check "
+                                f"deferred, {d['every_step_stop_check_ms_per_step']:.1f} ms with it read every step"
+                                if d.get("deferred_stop_check_ms_per_step") else ""))
+                syncs = d.get("host_syncs")
+                if syncs:
+                    lines.append(f"{name} sampled call: {syncs['syncs']} host synchronisations, "
+                                 f"{syncs['per_step']:.2f} per new token (" + ", ".join(
+                                     f"{k} ×{v}" for k, v in syncs["where"][:5]) + ")")
             prof = (d or {}).get("profile")
             if prof:
                 lines.append(f"{name} decode profiled: {prof['wall_ms_per_step']:.1f} ms of wall time per step, "

@@ -29,7 +29,8 @@ import torch
 
 from fedspear.interaction import render
 from fedspear.runtime import compiled
-from fedspear.runtime.compiled import batch_bucket, cache_bucket, compiled_decode, compiles_decode, use_compiled_decode
+from fedspear.runtime.compiled import (CompiledDecode, batch_bucket, cache_bucket, compiled_decode, compiles_decode,
+                                       use_compiled_decode)
 from fedspear.runtime.cpu_kernels import bf16_supported
 from fedspear.runtime.generation import generate
 from fedspear.runtime.model import (LoraSettings, add_lora, autocast, bf16_parameters, get_adapter, load_base,
@@ -359,3 +360,93 @@ def test_on_a_gpu_the_default_compiled_decode_matches_eager_and_compiles_once(ar
     again = _answers(model, tokenizer, contexts, dtype_used)
     assert counters["stats"]["unique_graphs"] == compiled_graphs and again != answers
     assert near_greedy_gap(model, contexts, again, dtype_used) <= 1
+
+
+class _HostEvent:
+    """A stand-in for ``torch.Event`` on the CPU, which has none: CPU tensors are computed when the call returns,
+    so a recorded event is always complete. Lets transformers' ``DeferredStopCheck`` run its logic on the CPU."""
+
+    def __init__(self, *args, **kwargs):
+        pass
+
+    def record(self, *args, **kwargs):
+        pass
+
+    def synchronize(self):
+        pass
+
+
+def test_deferral_is_enabled_for_this_modules_static_caches_on_a_gpu_only(tiny):
+    """``defer_stop_checks`` answers yes for a static cache of ``CompiledDecode`` on a CUDA device, and leaves every
+    other case to transformers (which defers on ``mps`` only): another cache, the CPU, an assistant model, or
+    ``DEFER_STOP_CHECK`` off."""
+    from transformers.generation.utils import DeferredStopCheck
+
+    model, _ = tiny
+    assert compiled.defer_stop_checks() and compiled.defer_stop_checks()  # installed once, then kept
+    ours = CompiledDecode(compile_config=None).cache(model, 2, 256)
+    assert getattr(ours, compiled.DEFERS) and ours.is_croppable
+    from transformers import DynamicCache
+
+    other = DynamicCache()
+    cuda, cpu = torch.device("cuda"), torch.device("cpu")
+    assert DeferredStopCheck.is_supported(cuda, ours, True, False)
+    assert DeferredStopCheck.is_supported(device=cuda, cache=ours, cache_is_returned=True, is_assistant=False)
+    assert not DeferredStopCheck.is_supported(cpu, ours, True, False)
+    assert not DeferredStopCheck.is_supported(cuda, ours, True, True)
+    assert not DeferredStopCheck.is_supported(cuda, other, True, False)
+    assert DeferredStopCheck.is_supported(torch.device("mps"), other, False, False)  # transformers' own choice
+    compiled.DEFER_STOP_CHECK = False
+    try:
+        assert not DeferredStopCheck.is_supported(cuda, ours, True, False)
+    finally:
+        compiled.DEFER_STOP_CHECK = True
+
+
+def test_a_deferred_stop_check_gives_the_same_answers_and_undoes_its_extra_step(counting, monkeypatch, arc_items):
+    """With the stop check deferred (on the CPU with a stand-in event; ``_HostEvent``), greedy answers are those of
+    the every-step check and of eager decoding. A batch whose rows all stop early (EOS set to the third token of their
+    answer) runs one compiled step more, which ``DeferredStopCheck`` undoes: the same answers, the static cache's
+    position counter back where the every-step check leaves it. A batch that runs to its token budget runs no extra
+    step (the budget is never deferred)."""
+    import copy
+
+    from transformers.generation import utils as generation_utils
+
+    model, tokenizer, dtype_used = _model("fp32")
+    contexts = _contexts(tokenizer, arc_items)
+    budget = _answers(model, tokenizer, contexts[:3], dtype_used)  # eager
+    early_tokenizer = copy.deepcopy(tokenizer)
+    same = [contexts[0]] * 3  # three equal rows (bucket 4: one padding row) stop together
+    stop = budget[0][2]
+    assert stop not in budget[0][:2] and len(budget[0]) == NEW
+    early_tokenizer.eos_token = tokenizer.convert_ids_to_tokens(stop)
+    assert early_tokenizer.eos_token_id == stop
+    early = _answers(model, early_tokenizer, same, dtype_used)
+    assert early == [budget[0][:3]] * 3
+
+    monkeypatch.setattr(compiled, "DEFER_DEVICES", ("cuda", "cpu"))
+    monkeypatch.setattr(torch, "Event", _HostEvent)
+    undone = []
+    finish = generation_utils.DeferredStopCheck.finish
+    monkeypatch.setattr(generation_utils.DeferredStopCheck, "finish",
+                        lambda self: undone.append(finish(self)) or undone[-1])
+    use_compiled_decode(model, "on", backend=counting)
+    state = compiled_decode(model)
+    runs = {}
+    for defer in (False, True, False, True):  # both orders: the first call of a bucket compiles
+        monkeypatch.setattr(compiled, "DEFER_STOP_CHECK", defer)
+        for name, tok, batch in (("budget", tokenizer, contexts[:3]), ("early", early_tokenizer, same)):
+            calls, count = counting.calls, len(undone)
+            answers = _answers(model, tok, batch, dtype_used)
+            cache = state.caches[(4, cache_bucket(max(map(len, batch)) + NEW))]
+            runs.setdefault((name, defer), []).append(
+                (answers, counting.calls - calls, undone[count:], int(cache.layers[0].cumulative_length)))
+    for (name, defer), results in runs.items():
+        plain_steps, plain_position = runs[(name, False)][0][1], runs[(name, False)][0][3]
+        for answers, steps, finished, position in results:
+            assert answers == (budget if name == "budget" else early)
+            assert finished == ([1] if defer and name == "early" else [0] if defer else [])  # steps undone
+            assert steps == plain_steps + (defer and name == "early")  # compiled steps run
+            assert position == plain_position  # the undone step's position moved back
+    assert runs[("early", False)][0][1] == 2 and runs[("budget", False)][0][1] == NEW - 1

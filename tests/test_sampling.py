@@ -6,7 +6,7 @@ import pytest
 import torch
 from transformers.generation.logits_process import TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
 
-from fedspear.runtime.sampling import TOP_K, NucleusSampler
+from fedspear.runtime.sampling import TOP_K, NucleusSampler, draw
 
 
 def transformers_probs(scores: torch.Tensor, temperature: float, top_p: float, top_k: int | None = TOP_K
@@ -21,18 +21,37 @@ def transformers_probs(scores: torch.Tensor, temperature: float, top_p: float, t
     return out.softmax(-1)
 
 
+def host_reads(fn, *args) -> tuple[object, int]:
+    """``fn(*args)`` and how many device values it read on the host on the way (``aten._local_scalar_dense``:
+    ``.item()``, ``bool()`` of a tensor; on a GPU each waits for the GPU). Reads made inside an ATen kernel (such as
+    ``torch.multinomial``'s checks) do not pass through Python's dispatch and are not counted."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Count(TorchDispatchMode):
+        reads = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            Count.reads += func is torch.ops.aten._local_scalar_dense.default
+            return func(*args, **(kwargs or {}))
+
+    with Count():
+        out = fn(*args)
+    return out, Count.reads
+
+
 def sampler_probs(scores: torch.Tensor, sampler: NucleusSampler) -> torch.Tensor:
     """[B, V] probabilities of the sampler's kept tokens, scattered back to vocabulary positions."""
     logits, ids = sampler.kept(scores)
     return torch.zeros_like(scores).scatter_(-1, ids, logits.softmax(-1))
 
 
+@pytest.mark.parametrize("sync_free", [False, True])  # the CPU's way (top 2k, widened) and the GPU's (whole row)
 @pytest.mark.parametrize("temperature, top_p", [(0.8, 0.95), (1.0, 0.5), (0.3, 0.99), (1.3, 1.0)])
 @pytest.mark.parametrize("spread", [0.5, 3.0, 12.0])  # flat (top-k binds) … peaked (top-p binds on a few tokens)
-def test_the_kept_tokens_and_probabilities_are_transformers(temperature, top_p, spread):
+def test_the_kept_tokens_and_probabilities_are_transformers(temperature, top_p, spread, sync_free):
     torch.manual_seed(0)
     scores = torch.randn(16, 3000) * spread  # distinct values: no ties
-    sampler = NucleusSampler(temperature, top_p)
+    sampler = NucleusSampler(temperature, top_p, sync_free=sync_free)
     ours, theirs = sampler_probs(scores, sampler), transformers_probs(scores, temperature, top_p)
     assert torch.equal(ours > 0, theirs > 0)  # the same tokens kept
     torch.testing.assert_close(ours, theirs, rtol=1e-5, atol=1e-7)
@@ -80,21 +99,65 @@ def test_ties_at_the_kth_value_are_all_kept_as_transformers_keeps_them():
     scores[2, 700:960] = 955.0  # the same tied 260 times: 300 kept, past 2k = 100 and past 200
     scores[3, :] = 1.0  # all tied
     scores[4, :] = torch.linspace(0, 1, 1000).to(torch.bfloat16).float()  # bf16 rounding makes its own ties
-    sampler = NucleusSampler(1.0, 1.0)
-    ours, theirs = sampler_probs(scores, sampler), transformers_probs(scores, 1.0, 1.0)
-    assert (ours > 0).sum(-1).tolist() == (theirs > 0).sum(-1).tolist()
-    assert (ours > 0).sum(-1)[:4].tolist() == [50, 100, 300, 1000]
-    assert (ours > 0).sum(-1)[4] > 50
-    assert torch.equal(ours > 0, theirs > 0)
-    torch.testing.assert_close(ours, theirs)
+    theirs = transformers_probs(scores, 1.0, 1.0)
+    for sync_free in (False, True):  # widening the top 2k on the host, or the whole row
+        (logits, ids), reads = host_reads(NucleusSampler(1.0, 1.0, sync_free=sync_free).kept, scores)
+        ours = torch.zeros_like(scores).scatter_(-1, ids, logits.softmax(-1))
+        assert (ours > 0).sum(-1).tolist() == (theirs > 0).sum(-1).tolist()
+        assert (ours > 0).sum(-1)[:4].tolist() == [50, 100, 300, 1000]
+        assert (ours > 0).sum(-1)[4] > 50
+        assert torch.equal(ours > 0, theirs > 0)
+        torch.testing.assert_close(ours, theirs)
+        assert (reads == 0) if sync_free else (reads >= 2)  # rows 2 and 3 needed two widenings
 
 
-def test_draws_follow_the_kept_probabilities():
+def test_the_sync_free_draw_is_torch_multinomials_and_reads_nothing_on_the_host():
+    """``draw`` is ``torch.multinomial(probs, 1)`` without its host-side checks: for the same seed the same index,
+    bit for bit, in 40 cases (rows of the sampler's width and of a vocabulary, with impossible entries); and a
+    sync-free step of the sampler reads no device value on the host, where the CPU's way reads one (the widening
+    test; ``torch.multinomial``'s own reads happen inside ATen and are not even counted here)."""
+    for case in range(40):
+        g = torch.Generator().manual_seed(case)
+        logits = torch.randn(8, 100 if case % 2 else 20_000, generator=g) * (1 + case % 5)
+        if case % 3 == 0:
+            logits[:, logits.shape[1] // 2 :] = float("-inf")  # dropped tokens: probability 0
+        probs = logits.softmax(-1)
+        torch.manual_seed(case)
+        expected = torch.multinomial(probs, 1)
+        torch.manual_seed(case)
+        assert torch.equal(draw(probs), expected)
+    scores = torch.randn(4, 3000) * 3
+    for sync_free, most in ((True, 0), (False, 1)):
+        sampler = NucleusSampler(0.8, 0.95, sync_free=sync_free)
+        out, reads = host_reads(sampler, None, scores)
+        assert reads == most
+        assert (torch.isfinite(out).sum(-1) == 1).all()
+        sampler.check()  # finite scores: nothing to say
+
+
+def test_nan_logits_are_an_error_both_ways():
+    """NaN logits (a broken model): the CPU's way raises at once (``torch.multinomial``'s check); the sync-free
+    sampler draws on and ``check`` — which ``generate`` calls after each batch — raises, once."""
+    scores = torch.randn(4, 3000)
+    scores[2, 7] = float("nan")
+    with pytest.raises(RuntimeError, match="probability tensor contains"):
+        NucleusSampler(0.8, 0.95, sync_free=False)(None, scores)
+    sampler = NucleusSampler(0.8, 0.95, sync_free=True)
+    sampler(None, scores[:2])
+    sampler(None, scores)
+    sampler(None, scores[:2])
+    with pytest.raises(RuntimeError, match="contain NaN"):
+        sampler.check()
+    sampler.check()  # reported once
+
+
+@pytest.mark.parametrize("sync_free", [False, True])
+def test_draws_follow_the_kept_probabilities(sync_free):
     """Frequencies of 20,000 draws per row are within sampling error of the kept probabilities (and never outside the
     kept set)."""
     torch.manual_seed(1)
     scores = torch.randn(2, 500) * 4
-    sampler = NucleusSampler(0.8, 0.9)
+    sampler = NucleusSampler(0.8, 0.9, sync_free=sync_free)
     expected = transformers_probs(scores, 0.8, 0.9)
     draws = 20_000
     counts = torch.zeros_like(scores)

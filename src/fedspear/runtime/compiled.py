@@ -57,6 +57,23 @@ compiled could run a wrong one; a bucket first runs with all guards for that rea
 that finds no graph raises rather than running another (``CompiledDecode.decode`` then runs it again with every
 guard). ``SKIP_WARM_GUARDS = False`` turns this off.
 
+Stop checks (decision, 2026-11-29): after each step transformers' ``generate`` asks whether every row has stopped,
+``bool(unfinished_sequences.max() == 0)`` — a device value read on the host, which on a GPU waits until the GPU
+has finished the step. The host then prepares the next step (guards, the generate loop's own tensor work, the
+CUDA-graph replay) while the GPU idles, and the GPU runs it while the host waits: host time and GPU time add up on
+every step. transformers ships the remedy, ``DeferredStopCheck`` (``generation/utils.py``, 5.17 and later): the flag
+is copied to the host asynchronously and read one step later, so the host queues step n + 1 while the GPU runs step
+n; when every row stopped early, one extra step runs and is undone (its token dropped, the cache's position counter
+moved back: ``OneDtypeStaticLayer.crop``). transformers enables it on Apple's ``mps`` only ("we should enable it for
+cuda if we observe perf gains") and only for a cache it may crop. This module enables it for the compiled decode's
+own static caches on a CUDA GPU (``defer_stop_checks``, installed once per process by ``use_compiled_decode``;
+other callers' ``generate`` keep transformers' choice): those caches are zeroed before every use, so nothing reads
+what the undone step left. Deferring gains only where nothing else on a step reads the device: the sampler draws
+without reading it back on a GPU (``runtime.sampling``), the bucket's padding rows and progress counting read
+nothing, and the ``max_new_tokens`` bound is known on the host (never deferred: a static cache has no room past
+it). Answers are the same with and without (``tests/test_compiled_decode.py``, on the CPU with a stand-in for the
+GPU's event: CPU tensors have none). ``DEFER_STOP_CHECK = False`` turns it off.
+
 Not compiled: the prefill, training, log-likelihood scoring and evaluation's forwards (eager; their shapes vary).
 Prefix sharing (``generate``'s ``reuse_prefix``, a CPU saving) is off on this path: the static cache is filled by
 one prefill of the padded batch.
@@ -77,6 +94,9 @@ CUDA_MODE = "reduce-overhead"  # torch.compile mode on a CUDA GPU: inductor with
 BACKEND = "inductor"  # torch.compile backend (tests may use "aot_eager": same kernels as eager, compiles in seconds)
 ATTRIBUTE = "fedspear_compiled_decode"  # where a model keeps its CompiledDecode
 SKIP_WARM_GUARDS = True  # a bucket's calls after its first check only the guards that tell graphs apart (docstring)
+DEFER_STOP_CHECK = True  # on a GPU, generate reads "every row stopped" one step late (docstring, "Stop checks")
+DEFER_DEVICES = ("cuda",)  # device types it is enabled on (transformers' DeferredStopCheck needs a torch.Event there)
+DEFERS = "fedspear_defers_stop_check"  # the attribute that marks a static cache of this module's
 T = TypeVar("T")
 
 
@@ -160,6 +180,7 @@ class CompiledDecode:
                 cache = StaticCache(config=model.config, max_cache_len=length)
                 if all(type(layer) is StaticLayer for layer in cache.layers):
                     cache.layers = [one_dtype_layer_class()(max_cache_len=length) for _ in cache.layers]
+                    setattr(cache, DEFERS, True)  # its layers can undo a step (OneDtypeStaticLayer.crop)
             self.caches[key] = cache
         cache = self.caches[key]
         cache.reset()
@@ -206,6 +227,22 @@ def one_dtype_layer_class():
             dtype = torch.promote_types(key_states.dtype, value_states.dtype)
             return super().update(key_states.to(dtype), value_states.to(dtype), *args, **kwargs)
 
+        is_croppable = True
+
+        def crop(self, tokens_to_remove: int) -> None:
+            """Undo the last ``-tokens_to_remove`` positions (transformers' convention: a count ≤ 0; what
+            ``DeferredStopCheck`` asks after its extra step): the position counter moves back, in place (a CUDA
+            graph reads it where it is); the keys and values written there stay, unread, like every position past
+            the counter.
+
+            Raises:
+                ValueError: ``tokens_to_remove`` > 0 (transformers' legacy "absolute length" form).
+            """
+            if tokens_to_remove > 0:
+                raise ValueError(f"crop takes minus the number of positions to drop (got {tokens_to_remove})")
+            if tokens_to_remove and self.is_initialized:
+                self.cumulative_length.sub_(-tokens_to_remove)
+
     return OneDtypeStaticLayer
 
 
@@ -237,6 +274,45 @@ def use_compiled_decode(model, setting: str = "auto", *, backend: str | None = N
     current = compiled_decode(model)
     if current is None or current.compile_config != config:
         setattr(model, ATTRIBUTE, CompiledDecode(config))
+    defer_stop_checks()
+    return True
+
+
+def defer_stop_checks() -> bool:
+    """Let transformers' ``generate`` check for stopped rows one step late (``DeferredStopCheck``; module docstring,
+    "Stop checks") when it decodes into a static cache of this module's on a device of ``DEFER_DEVICES`` while
+    ``DEFER_STOP_CHECK`` is on; every other ``generate`` call keeps transformers' own choice. Installed once per
+    process (later calls change nothing).
+
+    Returns:
+        Whether this transformers has ``DeferredStopCheck`` (5.17 and later): without it stop checks stay as they are.
+    """
+    try:
+        from transformers.generation.utils import DeferredStopCheck
+    except ImportError:
+        return False
+    current = DeferredStopCheck.__dict__.get("is_supported")
+    original = getattr(current, "__func__", None)
+    if original is None:
+        return False
+    if getattr(original, "fedspear", False):
+        return True
+    signature = inspect.signature(original)
+
+    def is_supported(*args, **kwargs) -> bool:
+        try:
+            given = signature.bind(*args, **kwargs).arguments
+        except TypeError:
+            given = {}
+        device, cache = given.get("device"), given.get("cache")
+        if (DEFER_STOP_CHECK and getattr(cache, DEFERS, False) and not given.get("is_assistant", True)
+                and getattr(device, "type", None) in DEFER_DEVICES):
+            return True
+        return original(*args, **kwargs)
+
+    is_supported.fedspear = True
+    is_supported.__doc__ = original.__doc__
+    DeferredStopCheck.is_supported = staticmethod(is_supported)
     return True
 
 

@@ -197,6 +197,8 @@ def _generate_batches(model, tokenizer, contexts, max_new_tokens, dtype_used, do
                     raise
                 raise RuntimeError(f"the compiled decode failed ({type(err).__name__}: {err}); "
                                    "compile_decode = \"off\" decodes without compiling") from err
+        if sampler is not None:
+            sampler.check()  # a sync-free sampler's NaN probabilities, read once per call
         if steps is not None:
             progress.advance(max_new_tokens - steps.count)  # a batch that ended early: its unused budget
         if first_logits is not None:

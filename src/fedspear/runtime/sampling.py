@@ -23,6 +23,17 @@ What it computes: the same distribution, from ``torch.topk`` of the scaled logit
   row see the same finite entries in the same order: the other entries are −inf, probability 0);
 - the draw: ``torch.multinomial`` over the kept tokens' softmax.
 
+On a GPU (scores on a CUDA device; ``NucleusSampler(sync_free=...)`` overrides) a step reads nothing back to the
+host, so that ``generate`` can queue the next step while the GPU still runs this one (``runtime.compiled``, "Stop
+checks"): two of the steps above read a device value on the host, which waits for the GPU — the widening test (a
+row's last token tying the k-th) and ``torch.multinomial``'s checks of its probabilities (``.item()`` on their
+min, max and row sums; ``multinomial_out`` in ATen's ``native/Distributions.cpp``). There the whole row is taken,
+sorted (``topk`` of the vocabulary: nothing to widen; on a GPU a sort of a row costs microseconds, and transformers'
+top-p warper sorts it too), and the draw is the one-sample path of ``torch.multinomial`` itself without its checks:
+the argmax of p / q with q ~ Exp(1) drawn by the same generator (``draw``: on the CPU the same indices as
+``torch.multinomial`` for the same seed, ``tests/test_sampling.py``). The kept set and its probabilities are the
+same; for a given seed the draws on a GPU differ from the CPU's (the variates are drawn over the whole row).
+
 So each token has the probability transformers' chain gives it, up to fp32 rounding in the softmax's sum, except
 where tokens of equal logit straddle the top-p boundary: which of them is dropped is each implementation's choice
 (transformers': its ``torch.sort``'s order of ties; here: ``torch.topk``'s), the same number with the same
@@ -59,11 +70,13 @@ class NucleusSampler:
         top_p: nucleus mass kept, in (0, 1]; 1 keeps every top-k token.
         top_k: most tokens kept (≥ 1; ties at the k-th value are all kept); None: no top-k (the whole row is sorted,
             as transformers' top-p does).
+        sync_free: read nothing back to the host (module docstring: the whole row sorted, ``draw``); None: where
+            the scores are on a CUDA device.
     Raises:
         ValueError: a setting out of its range.
     """
 
-    def __init__(self, temperature: float, top_p: float, top_k: int | None = TOP_K):
+    def __init__(self, temperature: float, top_p: float, top_k: int | None = TOP_K, sync_free: bool | None = None):
         if not temperature > 0:
             raise ValueError(f"temperature must be > 0 (got {temperature!r})")
         if not 0 < top_p <= 1:
@@ -71,6 +84,8 @@ class NucleusSampler:
         if not (top_k is None or (isinstance(top_k, int) and top_k >= 1)):
             raise ValueError(f"top_k must be an integer ≥ 1 or None (got {top_k!r})")
         self.temperature, self.top_p, self.top_k = float(temperature), float(top_p), top_k
+        self.sync_free = sync_free
+        self.invalid: torch.Tensor | None = None  # sync-free steps: whether any drew from probabilities with a NaN
 
     def kept(self, scores: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """The tokens the filters keep, per row.
@@ -85,7 +100,8 @@ class NucleusSampler:
         scores = scores / self.temperature
         vocab = scores.shape[-1]
         k = vocab if self.top_k is None else min(self.top_k, vocab)
-        width = min(2 * k, vocab)  # room for ties: torch.topk of 100 costs what topk of 51 does
+        # room for ties: torch.topk of 100 costs what topk of 51 does; sync-free: the whole row, nothing to widen
+        width = vocab if self._sync_free(scores) else min(2 * k, vocab)
         logits, ids = scores.topk(width, dim=-1)  # [B, width], largest first
         kth = logits[:, k - 1 : k]  # [B, 1]
         while width < vocab and bool((logits[:, -1:] == kth).any()):  # a row's last token ties the k-th: widen
@@ -103,8 +119,44 @@ class NucleusSampler:
         """One decode step: ``scores`` ``[B, V]`` → ``[B, V]``, 0 at each row's drawn token and −inf elsewhere (the
         greedy choice is the draw)."""
         logits, ids = self.kept(scores)
-        drawn = ids.gather(-1, torch.multinomial(logits.softmax(-1), 1))  # [B, 1]
+        probs = logits.softmax(-1)  # [B, K]
+        if self._sync_free(scores):
+            nan = probs.isnan().any()  # on the device: read once per generate call (check), not per step
+            self.invalid = nan if self.invalid is None else self.invalid | nan
+            drawn = ids.gather(-1, draw(probs))  # [B, 1]
+        else:
+            drawn = ids.gather(-1, torch.multinomial(probs, 1))  # raises on NaN probabilities itself
         return torch.full_like(scores, float("-inf")).scatter_(-1, drawn, 0.0)
+
+    def check(self) -> None:
+        """After a ``generate`` call: raise where a sync-free step drew from probabilities with a NaN (NaN or
+        infinite logits: a broken model or adapter), as ``torch.multinomial`` raises at once on the CPU's way; then
+        forget it. Reads one device value on the host.
+
+        Raises:
+            RuntimeError: a step's probabilities had a NaN.
+        """
+        invalid, self.invalid = self.invalid, None
+        if invalid is not None and bool(invalid):
+            raise RuntimeError("the model's next-token probabilities contain NaN (NaN or infinite logits: a broken "
+                               "model or adapter); the sampled tokens are meaningless")
+
+    def _sync_free(self, scores: torch.Tensor) -> bool:
+        return scores.is_cuda if self.sync_free is None else self.sync_free
+
+
+def draw(probs: torch.Tensor) -> torch.Tensor:
+    """One index per row of ``probs`` ``[B, K]`` (rows of probabilities), drawn as ``torch.multinomial(probs, 1)``
+    draws it — the argmax of p / q, q ~ Exp(1) from the default generator (ATen ``native/Distributions.cpp``,
+    ``multinomial_out``'s one-sample path: the same variates, so the same index) — without multinomial's checks of
+    ``probs``, which read device values on the host. Where those checks would raise (a NaN, an infinite or a
+    negative probability, a row of zeros: a broken model's logits), the index is meaningless instead
+    (``NucleusSampler.check`` tells afterwards).
+
+    Returns:
+        ``[B, 1]`` int64 indices into the last dimension.
+    """
+    return probs.div(torch.empty_like(probs).exponential_(1)).argmax(-1, keepdim=True)
 
 
 # sampling settings of a model's generation config that transformers applies as further warpers; the sampler has none

@@ -398,7 +398,8 @@ def decode_step(worker, batch: int, prompt: int, new: int) -> dict:
     A compiled decode is then timed in two alternating pairs of calls, with every dynamo guard checked on every
     step (``SKIP_WARM_GUARDS`` off: ``all_guards_ms_per_step``) and as rounds decode (``warm_guards_ms_per_step``),
     then in two more with the stop check read on every step (``DEFER_STOP_CHECK`` off:
-    ``every_step_stop_check_ms_per_step``) and one step late, as rounds decode (``deferred_stop_check_ms_per_step``).
+    ``every_step_stop_check_ms_per_step``) and one step late, as rounds decode (``deferred_stop_check_ms_per_step``;
+    greedy like every call here, so the sampler's cost is not in these: the ``sampling`` step times it).
     Then ``host_syncs`` counts a sampled call's waits for the GPU, and ``profile_decode`` profiles a step.
     → ``{"batch", "compiled", "ms_per_step", "runs_ms_per_step", "first_call_seconds", ["all_guards_ms_per_step",
     "warm_guards_ms_per_step", "every_step_stop_check_ms_per_step", "deferred_stop_check_ms_per_step"],
@@ -449,12 +450,14 @@ def decode_step(worker, batch: int, prompt: int, new: int) -> dict:
 
 
 def host_syncs(worker, batch: int, prompt: int, new: int) -> dict:
-    """One sampled ``generate`` call as a round makes them (``runtime.generation.generate``: ``batch`` random prompts
-    of ``prompt`` tokens, ``new`` new tokens, temperature 0.8, top-p 0.95) with torch's CUDA sync debug mode warning
-    at every operation that makes the host wait for the GPU: how many, per new token, and the lines of Python that
-    caused them (most first). Once per call (the prompt's upload, the answers' download) is the floor; once or more
-    per step means host and GPU take turns (``runtime.compiled``, "Stop checks"). → ``{"syncs", "per_step",
-    "where": [[file:line, count], ...]}``; ``{}`` without a GPU."""
+    """Sampled ``generate`` calls as a round makes them (``runtime.generation.generate``: ``batch`` random prompts
+    of ``prompt`` tokens, temperature 0.8, top-p 0.95), ``new`` // 2 and ``new`` new tokens, with torch's CUDA sync
+    debug mode warning at every operation that makes the host wait for the GPU: how many in each call, how many per
+    decode step (the difference of the two over the difference of their steps: what a call does once — uploading
+    prompts, downloading answers — cancels; 0 means host and GPU no longer take turns at every step, 1 or more that
+    they do: ``runtime.compiled``, "Stop checks"), and the lines of Python that caused them in the longer call (most
+    first). A random model's sampled answer may end early at an EOS, which lowers the count. → ``{"syncs", "syncs_half",
+    "per_step", "where": [[file:line, count], ...]}``; ``{}`` without a GPU."""
     import warnings
 
     import torch
@@ -466,22 +469,27 @@ def host_syncs(worker, batch: int, prompt: int, new: int) -> dict:
     contexts = torch.randint(100, 1000, (batch, prompt)).tolist()
     generate(worker.model, worker.tokenizer, contexts, max_new_tokens=new, dtype_used=worker.dtype_used)  # warm
     torch.cuda.synchronize()
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        torch.cuda.set_sync_debug_mode("warn")
-        try:
-            generate(worker.model, worker.tokenizer, contexts, max_new_tokens=new, dtype_used=worker.dtype_used)
-        finally:
-            torch.cuda.set_sync_debug_mode("default")
-    syncs = [w for w in caught if "synchroniz" in str(w.message)]
+
+    def counted(tokens: int) -> list:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            torch.cuda.set_sync_debug_mode("warn")
+            try:
+                generate(worker.model, worker.tokenizer, contexts, max_new_tokens=tokens, dtype_used=worker.dtype_used)
+            finally:
+                torch.cuda.set_sync_debug_mode("default")
+        return [w for w in caught if "synchroniz" in str(w.message)]
+
+    half, syncs = counted(new // 2), counted(new)
     where: dict[str, int] = {}
     for w in syncs:
         key = f"{Path(w.filename).name}:{w.lineno}"
         where[key] = where.get(key, 0) + 1
-    out = {"syncs": len(syncs), "per_step": len(syncs) / new,
+    out = {"syncs": len(syncs), "syncs_half": len(half), "per_step": (len(syncs) - len(half)) / (new - new // 2),
            "where": sorted(([k, v] for k, v in where.items()), key=lambda kv: -kv[1])[:10]}
-    _say(f"a sampled call at batch {batch}, {new} new tokens: {out['syncs']} host synchronisations "
-         f"({out['per_step']:.2f} per step); where: " + ", ".join(f"{k} ×{v}" for k, v in out["where"][:5]))
+    _say(f"sampled calls at batch {batch}: {out['syncs_half']} host synchronisations with {new // 2} new tokens, "
+         f"{out['syncs']} with {new}: {out['per_step']:.2f} per decode step; where: "
+         + ", ".join(f"{k} ×{v}" for k, v in out["where"][:5]))
     return out
 
 
@@ -621,8 +629,8 @@ def summary(args) -> int:
                                 if d.get("deferred_stop_check_ms_per_step") else ""))
                 syncs = d.get("host_syncs")
                 if syncs:
-                    lines.append(f"{name} sampled call: {syncs['syncs']} host synchronisations, "
-                                 f"{syncs['per_step']:.2f} per new token (" + ", ".join(
+                    lines.append(f"{name} sampled calls: {syncs['syncs_half']} and {syncs['syncs']} host "
+                                 f"synchronisations, {syncs['per_step']:.2f} per decode step (" + ", ".join(
                                      f"{k} ×{v}" for k, v in syncs["where"][:5]) + ")")
             prof = (d or {}).get("profile")
             if prof:

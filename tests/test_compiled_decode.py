@@ -450,3 +450,34 @@ def test_a_deferred_stop_check_gives_the_same_answers_and_undoes_its_extra_step(
             assert steps == plain_steps + (defer and name == "early")  # compiled steps run
             assert position == plain_position  # the undone step's position moved back
     assert runs[("early", False)][0][1] == 2 and runs[("budget", False)][0][1] == NEW - 1
+
+
+def test_generate_samples_sync_free_where_the_stop_check_is_deferred(counting, monkeypatch, arc_items):
+    """``generate`` asks the sampler to read nothing back exactly where the compiled decode defers its stop check
+    (on the CPU here with a stand-in event): then no step calls ``torch.multinomial`` (whose checks read the device);
+    eager decoding, or the check read every step, keeps the top-2k way."""
+    from fedspear.runtime import sampling
+
+    model, tokenizer, dtype_used = _model("fp32")
+    contexts = _contexts(tokenizer, arc_items)[:3]
+    seen = []
+    call = sampling.NucleusSampler.__call__
+    monkeypatch.setattr(sampling.NucleusSampler, "__call__",
+                        lambda self, ids, scores: seen.append(self.sync_free) or call(self, ids, scores))
+    monkeypatch.setattr(compiled, "DEFER_DEVICES", ("cuda", "cpu"))
+    monkeypatch.setattr(torch, "Event", _HostEvent)
+    multinomial = torch.multinomial
+    drawn = []
+    monkeypatch.setattr(torch, "multinomial", lambda *a, **k: drawn.append(1) or multinomial(*a, **k))
+
+    def sampled() -> tuple[set, int]:
+        seen.clear(), drawn.clear()
+        answers = generate(model, tokenizer, contexts, max_new_tokens=NEW, dtype_used=dtype_used)
+        assert len(answers) == 3 and all(0 < len(a) <= NEW for a in answers)
+        return set(seen), len(drawn)
+
+    assert sampled() == ({False}, len(seen)) and seen  # eager: the top-2k way, multinomial every step
+    use_compiled_decode(model, "on", backend=counting)
+    assert sampled() == ({True}, 0)  # deferred: sync-free, no multinomial
+    monkeypatch.setattr(compiled, "DEFER_STOP_CHECK", False)
+    assert sampled() == ({False}, len(seen))  # read every step: nothing gained by reading nothing back

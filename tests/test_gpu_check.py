@@ -128,7 +128,7 @@ def test_flwr_is_left_as_it_is_and_a_missing_wheel_is_a_skip(tmp_path):
 def test_summary_gathers_every_step(tmp_path):
     """Steps' statuses, the rounds (12.0 + 3.0 s of generation, 1.5 s of training), the decode step timed after
     them (48.0 ms eager; 11.5 ms compiled, and alternating 11.0 skipping a warm bucket's guards, 13.25 with all, 7.5
-    with the stop check deferred, 11.75 read every step; 3 host synchronisations in a sampled call of 64 tokens),
+    with the stop check deferred, 11.75 read every step; 5 host synchronisations in sampled calls of 32 and 64 tokens),
     decode per step from the bench (batch 32 at 640 tokens/s = 50.0 ms per step) and the sampled token's cost."""
     (tmp_path / "steps.json").write_text(json.dumps({"tests": {"status": "ok", "seconds": 50},
                                                      "round-compiled": {"status": "skipped: no key", "seconds": 0}}))
@@ -145,8 +145,8 @@ def test_summary_gathers_every_step(tmp_path):
         "decode": {"batch": 32, "compiled": True, "ms_per_step": 11.5, "first_call_seconds": 70.0,
                    "all_guards_ms_per_step": 13.25, "warm_guards_ms_per_step": 11.0,
                    "every_step_stop_check_ms_per_step": 11.75, "deferred_stop_check_ms_per_step": 7.5,
-                   "host_syncs": {"syncs": 3, "per_step": 0.046875, "where": [["generation.py:203", 2],
-                                                                              ["utils.py:3160", 1]]}}}))
+                   "host_syncs": {"syncs": 5, "syncs_half": 5, "per_step": 0.0,
+                                  "where": [["generation.py:203", 4], ["utils.py:3160", 1]]}}}))
     (tmp_path / "clients.json").write_text(json.dumps({"clients": 5, "prompts": 32, "overrides": {
         "compile_decode": "on"}, "rounds": [{"round": 1, "wall_seconds": 100.0}, {"round": 2, "wall_seconds": 40.0}]}))
     (tmp_path / "bench.json").write_text(json.dumps({"throughput": {
@@ -171,8 +171,8 @@ def test_summary_gathers_every_step(tmp_path):
     assert ("round-compiled decode afterwards at batch 32: 11.5 ms per step (compiled; first call 70.0 s); "
             "alternating, 11.0 ms with a warm bucket's guards skipped, 13.2 ms with every guard checked; "
             "alternating, 7.5 ms with the stop check deferred, 11.8 ms with it read every step") in text
-    assert ("round-compiled sampled call: 3 host synchronisations, 0.05 per new token (generation.py:203 ×2, "
-            "utils.py:3160 ×1)") in text
+    assert ("round-compiled sampled calls: 5 and 5 host synchronisations, 0.00 per decode step (generation.py:203 "
+            "×4, utils.py:3160 ×1)") in text
     assert "| decode at batch 32 ≤ 12 ms per step (compiled) | 55.7 ms | 11.5 ms | yes |" in text
     assert "round-eager decode profiled: 50.0 ms of wall time per step, 4.25 ms of it in 1200 GPU kernels" in text
     assert "round-eager decode's host time per step, most first: aten::sort 3.00 ms, cudaGraphLaunch 0.25 ms" in text

@@ -114,8 +114,9 @@ def test_ties_at_the_kth_value_are_all_kept_as_transformers_keeps_them():
 def test_the_sync_free_draw_is_torch_multinomials_and_reads_nothing_on_the_host():
     """``draw`` is ``torch.multinomial(probs, 1)`` without its host-side checks: for the same seed the same index,
     bit for bit, in 40 cases (rows of the sampler's width and of a vocabulary, with impossible entries); and a
-    sync-free step of the sampler reads no device value on the host, where the CPU's way reads one (the widening
-    test; ``torch.multinomial``'s own reads happen inside ATen and are not even counted here)."""
+    sync-free step of the sampler reads no device value on the host, where the CPU's way reads one through Python's
+    dispatch (the widening test; ``torch.multinomial``'s own reads happen inside ATen and are not counted here: the
+    next test shows the sync-free way does not call it)."""
     for case in range(40):
         g = torch.Generator().manual_seed(case)
         logits = torch.randn(8, 100 if case % 2 else 20_000, generator=g) * (1 + case % 5)
@@ -133,6 +134,19 @@ def test_the_sync_free_draw_is_torch_multinomials_and_reads_nothing_on_the_host(
         assert reads == most
         assert (torch.isfinite(out).sum(-1) == 1).all()
         sampler.check()  # finite scores: nothing to say
+
+
+def test_the_sync_free_sampler_never_calls_multinomial(monkeypatch):
+    """``torch.multinomial``'s own host reads happen inside ATen, out of ``host_reads``' sight: the sync-free way
+    must not call it at all (here it would raise), where the CPU's way does."""
+    def refuse(*args, **kwargs):
+        raise AssertionError("torch.multinomial called")
+
+    monkeypatch.setattr(torch, "multinomial", refuse)
+    scores = torch.randn(4, 3000) * 3
+    assert (torch.isfinite(NucleusSampler(0.8, 0.95, sync_free=True)(None, scores)).sum(-1) == 1).all()
+    with pytest.raises(AssertionError, match="multinomial called"):
+        NucleusSampler(0.8, 0.95, sync_free=False)(None, scores)
 
 
 def test_nan_logits_are_an_error_both_ways():

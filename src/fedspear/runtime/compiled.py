@@ -68,11 +68,14 @@ moved back: ``OneDtypeStaticLayer.crop``). transformers enables it on Apple's ``
 cuda if we observe perf gains") and only for a cache it may crop. This module enables it for the compiled decode's
 own static caches on a CUDA GPU (``defer_stop_checks``, installed once per process by ``use_compiled_decode``;
 other callers' ``generate`` keep transformers' choice): those caches are zeroed before every use, so nothing reads
-what the undone step left. Deferring gains only where nothing else on a step reads the device: the sampler draws
-without reading it back on a GPU (``runtime.sampling``), the bucket's padding rows and progress counting read
-nothing, and the ``max_new_tokens`` bound is known on the host (never deferred: a static cache has no room past
-it). Answers are the same with and without (``tests/test_compiled_decode.py``, on the CPU with a stand-in for the
-GPU's event: CPU tensors have none). ``DEFER_STOP_CHECK = False`` turns it off.
+what the undone step left. Deferring gains only where nothing else on a step reads the device: where it is on,
+``generate`` has the sampler draw without reading anything back (``runtime.sampling``, ``sync_free``), the bucket's
+padding rows and progress counting read nothing, and transformers checks the ``max_new_tokens`` bound on the host
+(never deferred, so the extra step stays inside the static cache). Greedy answers are the same with and without
+(``tests/test_compiled_decode.py``, on the CPU with a stand-in for the GPU's event: CPU tensors have none); sampled
+answers are drawn from the same distribution, but the undone step of a batch that stopped early has drawn random
+numbers too, so for a given seed the draws after it differ. ``DEFER_STOP_CHECK = False`` turns it off. What it saves
+on a GPU is not measured yet (``scripts/gpu_check.sh`` times the decode both ways).
 
 Not compiled: the prefill, training, log-likelihood scoring and evaluation's forwards (eager; their shapes vary).
 Prefix sharing (``generate``'s ``reuse_prefix``, a CPU saving) is off on this path: the static cache is filled by
@@ -141,8 +144,9 @@ class CompiledDecode:
                steps: Callable[[T], int]) -> T:
         """``call()`` — one ``generate`` call of ``rows`` rows (a batch bucket) and up to ``positions`` positions
         under ``dtype_used`` — with the guards of module docstring's "Guards": all of them until the bucket has run
-        a compiled step (``steps(result)``: how many the call ran; a call whose rows all stopped after their first
-        token ran none), then only those that tell this process's graphs apart. Where a warm call finds no graph
+        a compiled step (``steps(result)``: how many the call kept; a call whose rows all stopped after their first
+        token kept none, though with the stop check deferred it ran one and undid it), then only those that tell this
+        process's graphs apart. Where a warm call finds no graph
         for its inputs, torch refuses to compile under that stance ("Recompilation triggered with
         skip_guard_eval_unsafe stance"): the call runs again with every guard (it may compile) and the bucket is
         warm again only after. Every guard is checked whenever ``SKIP_WARM_GUARDS`` is off, the model is in
@@ -276,6 +280,13 @@ def use_compiled_decode(model, setting: str = "auto", *, backend: str | None = N
         setattr(model, ATTRIBUTE, CompiledDecode(config))
     defer_stop_checks()
     return True
+
+
+def stop_checks_deferred(device: torch.device) -> bool:
+    """Whether a compiled decode's ``generate`` on ``device`` reads the stop check one step late (module docstring,
+    "Stop checks"): ``DEFER_STOP_CHECK`` on, a device type of ``DEFER_DEVICES``, and a transformers that has
+    ``DeferredStopCheck`` (``defer_stop_checks``)."""
+    return DEFER_STOP_CHECK and torch.device(device).type in DEFER_DEVICES and defer_stop_checks()
 
 
 def defer_stop_checks() -> bool:

@@ -6,10 +6,11 @@ from __future__ import annotations
 
 from typing import Sequence
 
+import numpy as np
 import torch
 
 from .. import progress
-from .compiled import batch_bucket, compiled_decode
+from .compiled import batch_bucket, compiled_decode, stop_checks_deferred
 from .cpu_kernels import preallocated_cache
 from .model import autocast, merged_adapter, model_device, pad_id
 from .sampling import sampler_for
@@ -132,6 +133,8 @@ def _generate_batches(model, tokenizer, contexts, max_new_tokens, dtype_used, do
     # greedy, or the sampler's draw taken greedily (runtime.sampling: transformers' distribution, no sort), or
     # transformers' own chain where the model's generation config asks for a warper the sampler lacks
     sampler = sampler_for(model, temperature, top_p) if do_sample else None
+    if sampler is not None:  # reading nothing back pays only where the stop check does not read every step either
+        sampler.sync_free = compiled_decode(model) is not None and stop_checks_deferred(device)
     if sampler is not None:
         decoding = dict(do_sample=False, temperature=None, top_p=None, top_k=None,
                         logits_processor=LogitsProcessorList([sampler]))
@@ -150,14 +153,17 @@ def _generate_batches(model, tokenizer, contexts, max_new_tokens, dtype_used, do
         prefix = shared_prefix_length(chunk) if reuse_prefix and len(chunk) > 1 else 0
         tails = [list(c[prefix:]) for c in chunk]
         width = max(len(t) for t in tails)
-        input_ids = torch.full((len(chunk), prefix + width), pad, dtype=torch.long, device=device)  # [B, P + L]
-        attention = torch.zeros((len(chunk), prefix + width), dtype=torch.long, device=device)  # [B, P + L]
+        # laid out on the host (numpy), then one copy each to the model's device (not one per row: on a GPU each
+        # copy from the host waits for it)
+        ids = np.full((len(chunk), prefix + width), pad, dtype=np.int64)  # [B, P + L]
+        mask = np.zeros((len(chunk), prefix + width), dtype=np.int64)  # [B, P + L]
         if prefix:
-            input_ids[:, :prefix] = torch.tensor(list(chunk[0][:prefix]), device=device)
-            attention[:, :prefix] = 1
+            ids[:, :prefix] = chunk[0][:prefix]
+            mask[:, :prefix] = 1
         for i, tail in enumerate(tails):
-            input_ids[i, prefix + width - len(tail) :] = torch.tensor(tail, device=device)
-            attention[i, prefix + width - len(tail) :] = 1
+            ids[i, prefix + width - len(tail) :] = tail
+            mask[i, prefix + width - len(tail) :] = 1
+        input_ids, attention = torch.as_tensor(ids, device=device), torch.as_tensor(mask, device=device)
         kwargs = dict(decoding)  # this batch's: stopping criteria and the cache are added below
         steps = _DecodeSteps() if progress.active() else None
         if steps is not None:

@@ -23,16 +23,19 @@ What it computes: the same distribution, from ``torch.topk`` of the scaled logit
   row see the same finite entries in the same order: the other entries are −inf, probability 0);
 - the draw: ``torch.multinomial`` over the kept tokens' softmax.
 
-On a GPU (scores on a CUDA device; ``NucleusSampler(sync_free=...)`` overrides) a step reads nothing back to the
-host, so that ``generate`` can queue the next step while the GPU still runs this one (``runtime.compiled``, "Stop
-checks"): two of the steps above read a device value on the host, which waits for the GPU — the widening test (a
-row's last token tying the k-th) and ``torch.multinomial``'s checks of its probabilities (``.item()`` on their
-min, max and row sums; ``multinomial_out`` in ATen's ``native/Distributions.cpp``). There the whole row is taken,
-sorted (``topk`` of the vocabulary: nothing to widen; on a GPU a sort of a row costs microseconds, and transformers'
-top-p warper sorts it too), and the draw is the one-sample path of ``torch.multinomial`` itself without its checks:
-the argmax of p / q with q ~ Exp(1) drawn by the same generator (``draw``: on the CPU the same indices as
-``torch.multinomial`` for the same seed, ``tests/test_sampling.py``). The kept set and its probabilities are the
-same; for a given seed the draws on a GPU differ from the CPU's (the variates are drawn over the whole row).
+Sync-free (``NucleusSampler(sync_free=True)``; ``generate`` asks for it where a compiled decode reads its stop check
+one step late, on a GPU: ``runtime.compiled``, "Stop checks"): a step reads nothing back to the host, so that the
+host can queue the next step while the GPU still runs this one. Two of the steps above read a device value on the
+host, which on a GPU waits for it — the widening test (a row's last token tying the k-th) and ``torch.multinomial``'s
+checks of its probabilities (``.item()`` on their min, max and row sums; ``multinomial_out`` in ATen's
+``native/Distributions.cpp``). Sync-free, the whole row is taken, sorted (``topk`` of the vocabulary: nothing to
+widen; transformers' top-p warper sorts the whole row at every step too; what the sort costs on a GPU is not
+measured), and the draw is the one-sample path of ``torch.multinomial`` itself without its checks: the argmax of
+p / q with q ~ Exp(1) drawn by the same generator (``draw``: on the CPU the same indices as ``torch.multinomial``
+for the same seed, ``tests/test_sampling.py``). The same number of tokens is kept with the same probabilities; which
+of equal tokens at the top-p boundary is kept may differ from the top-2k way (``torch.topk``'s order of ties over
+another width), as between transformers and either. For a given seed the draws differ from the top-2k way's (the
+variates are drawn over the whole row).
 
 So each token has the probability transformers' chain gives it, up to fp32 rounding in the softmax's sum, except
 where tokens of equal logit straddle the top-p boundary: which of them is dropped is each implementation's choice
@@ -71,7 +74,7 @@ class NucleusSampler:
         top_k: most tokens kept (≥ 1; ties at the k-th value are all kept); None: no top-k (the whole row is sorted,
             as transformers' top-p does).
         sync_free: read nothing back to the host (module docstring: the whole row sorted, ``draw``); None: where
-            the scores are on a CUDA device.
+            the scores are on a CUDA device. ``generate`` sets it for its batches.
     Raises:
         ValueError: a setting out of its range.
     """

@@ -148,6 +148,7 @@ fi
 # 5. the paper-preset client-rounds with compile_decode = on (the path a GPU takes by default), then the decode step
 #    they use timed at batch 32
 HAS_COMPILE=$("$PY" -c "from fedspear.config import RunConfig; print(int('compile_decode' in RunConfig.__dataclass_fields__))")
+export HAS_COMPILE  # flwr_run reads it in its own shell
 SMALL=$([ "$MODE" = dry ] && echo --small)
 if [ -n "$MODEL" ] && [ "$HAS_COMPILE" = 1 ]; then
   TORCH_LOGS=${TORCH_LOGS:-graph_breaks,recompiles,perf_hints} \
@@ -209,11 +210,14 @@ else
   skip round-eager "no model (step model)"
 fi
 
-# 9. a real federation through Flower's deployment engine (no Ray): 1 round, tiny-random on the GPU
+# 9. a real federation through Flower's deployment engine (no Ray): 1 round, tiny-random on the GPU; decoded eagerly
+#    (the compiled decode is timed above; compiling it in each of the run's three processes would take most of the
+#    step's time: on 2026-11-28 the run, submitted, did not end within the 81 s left to it)
 flwr_run() {
   "$PY" scripts/gpu_check.py flwr-install --wheels "$BUNDLE/wheels" || return 3
+  local eager=(); [ "$HAS_COMPILE" = 1 ] && eager=(--set compile_decode=off)
   "$PY" examples/deploy-local/run.py --output-dir "$S/deploy" --model tiny-random --rounds 1 \
-    --rollouts-per-round 2 --eval-size 4 --local-steps 1 --max-new-tokens 8 --train-size 20 \
+    --rollouts-per-round 2 --eval-size 4 --local-steps 1 --max-new-tokens 8 --train-size 20 "${eager[@]}" \
     --timeout $(( STEP_LIMIT > 200 ? STEP_LIMIT - 150 : 50 ))   # from the run's submission, after ≤ 100 s of start
   local rc=$?
   [ -f "$S/deploy/summary.json" ] && cp "$S/deploy/summary.json" "$RES/flwr-run.json"

@@ -456,8 +456,10 @@ def host_syncs(worker, batch: int, prompt: int, new: int) -> dict:
     decode step (the difference of the two over the difference of their steps: what a call does once — uploading
     prompts, downloading answers — cancels; 0 means host and GPU no longer take turns at every step, 1 or more that
     they do: ``runtime.compiled``, "Stop checks"), and the lines of Python that caused them in the longer call (most
-    first). A random model's sampled answer may end early at an EOS, which lowers the count. → ``{"syncs", "syncs_half",
-    "per_step", "where": [[file:line, count], ...]}``; ``{}`` without a GPU."""
+    first). A random model's sampled answer may end early at an EOS, which lowers the count. With the stop check
+    deferred, its wait for the step before last (``DeferredStopCheck``: ``copy_done_before.synchronize()``) may be
+    counted too, once per step, though the GPU then has the next step queued: ``where`` tells it apart.
+    → ``{"syncs", "syncs_half", "per_step", "where": [[file:line, count], ...]}``; ``{}`` without a GPU."""
     import warnings
 
     import torch

@@ -338,7 +338,9 @@ def test_on_a_gpu_the_default_compiled_decode_matches_eager_and_compiles_once(ar
     adapter, written in place, compiles nothing and changes the answers. On an NVIDIA H200 (2026-11-28, torch 2.11)
     4 of the 12 answers were identical to eager ones token for token, every token within the tolerance: the random
     model's near-ties part them, as inductor's bf16 kernels do on the CPU (module docstring). Asking for half of them
-    identical, as this test did before it first ran on a GPU, asked for more than the tolerance."""
+    identical, as this test did before it first ran on a GPU, asked for more than the tolerance. Last, sampled calls
+    of 4 and 16 new tokens wait for the GPU as often (± 1): nothing on a decode step reads the GPU back (not yet run
+    on a GPU)."""
     from torch._dynamo.utils import counters
 
     torch._dynamo.reset()
@@ -360,6 +362,32 @@ def test_on_a_gpu_the_default_compiled_decode_matches_eager_and_compiles_once(ar
     again = _answers(model, tokenizer, contexts, dtype_used)
     assert counters["stats"]["unique_graphs"] == compiled_graphs and again != answers
     assert near_greedy_gap(model, contexts, again, dtype_used) <= 1
+    # sampled calls (a warm bucket) wait for the GPU a fixed number of times per call, not at every decode step
+    # (module docstring of runtime.compiled, "Stop checks"): the deferred check's own wait for the step before last
+    # is a line ending in ".synchronize()" and is left out
+    short, long_ = (_host_waits(model, tokenizer, contexts[:4], dtype_used, new) for new in (4, 16))
+    assert long_[1] > short[1], (short, long_)  # more steps decoded
+    assert long_[0] - short[0] <= 1, (short, long_)
+
+
+def _host_waits(model, tokenizer, contexts, dtype_used: str, new: int) -> tuple[int, int, list[str]]:
+    """One warm sampled ``generate`` call under torch's CUDA sync debug mode → (waits for the GPU other than a
+    ``DeferredStopCheck``'s ``.synchronize()`` of an earlier step's event, decode steps, where each wait came from)."""
+    import linecache
+    import warnings
+
+    generate(model, tokenizer, contexts, max_new_tokens=new, dtype_used=dtype_used)  # the bucket warm
+    torch.cuda.synchronize()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            answers = generate(model, tokenizer, contexts, max_new_tokens=new, dtype_used=dtype_used)
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    where = [f"{w.filename}:{w.lineno}" for w in caught if "synchroniz" in str(w.message)
+             and not linecache.getline(w.filename, w.lineno).strip().endswith(".synchronize()")]
+    return len(where), max(map(len, answers)), where
 
 
 class _HostEvent:

@@ -130,12 +130,13 @@ def _generate_batches(model, tokenizer, contexts, max_new_tokens, dtype_used, do
     eos = tokenizer.eos_token_id
     pad = pad_id(tokenizer)
     device = model_device(model)
-    # greedy, or the sampler's draw taken greedily (runtime.sampling: transformers' distribution, no sort), or
-    # transformers' own chain where the model's generation config asks for a warper the sampler lacks
+    # greedy, or the sampler's draw taken greedily (runtime.sampling: transformers' distribution from the top-k
+    # entries, or, sync-free, from the whole row), or transformers' own chain where the model's generation config asks
+    # for a warper the sampler lacks
     sampler = sampler_for(model, temperature, top_p) if do_sample else None
-    if sampler is not None:  # reading nothing back pays only where the stop check does not read every step either
-        sampler.sync_free = compiled_decode(model) is not None and stop_checks_deferred(device)
     if sampler is not None:
+        # reading nothing back pays only where the stop check does not read every step either
+        sampler.sync_free = compiled_decode(model) is not None and stop_checks_deferred(device)
         decoding = dict(do_sample=False, temperature=None, top_p=None, top_k=None,
                         logits_processor=LogitsProcessorList([sampler]))
     elif do_sample:

@@ -451,7 +451,8 @@ def decode_step(worker, batch: int, prompt: int, new: int) -> dict:
 
 def host_syncs(worker, batch: int, prompt: int, new: int) -> dict:
     """Sampled ``generate`` calls as a round makes them (``runtime.generation.generate``: ``batch`` random prompts
-    of ``prompt`` tokens, temperature 0.8, top-p 0.95), ``new`` // 2 and ``new`` new tokens, with torch's CUDA sync
+    of ``prompt`` tokens, temperature 0.8, top-p 0.95), ``new`` new tokens and, with prompts longer by ``new`` −
+    ``new`` // 2 (the same static cache, so no new graph), ``new`` // 2, with torch's CUDA sync
     debug mode warning at every operation that makes the host wait for the GPU: how many in each call, how many per
     decode step (the difference of the two over the difference of their steps: what a call does once — uploading
     prompts, downloading answers — cancels; 0 means host and GPU no longer take turns at every step, 1 or more that
@@ -468,8 +469,10 @@ def host_syncs(worker, batch: int, prompt: int, new: int) -> dict:
 
     if not (torch.cuda.is_available() and next(worker.model.parameters()).is_cuda):
         return {}
-    contexts = torch.randint(100, 1000, (batch, prompt)).tolist()
-    generate(worker.model, worker.tokenizer, contexts, max_new_tokens=new, dtype_used=worker.dtype_used)  # warm
+    contexts = torch.randint(100, 1000, (batch, prompt + new)).tolist()
+    # the shorter call's prompt is longer by what it decodes less: both fill the same static cache (no new graph)
+    calls = {new // 2: [c[: prompt + new - new // 2] for c in contexts], new: [c[:prompt] for c in contexts]}
+    generate(worker.model, worker.tokenizer, calls[new], max_new_tokens=new, dtype_used=worker.dtype_used)  # warm
     torch.cuda.synchronize()
 
     def counted(tokens: int) -> list:
@@ -477,7 +480,8 @@ def host_syncs(worker, batch: int, prompt: int, new: int) -> dict:
             warnings.simplefilter("always")
             torch.cuda.set_sync_debug_mode("warn")
             try:
-                generate(worker.model, worker.tokenizer, contexts, max_new_tokens=tokens, dtype_used=worker.dtype_used)
+                generate(worker.model, worker.tokenizer, calls[tokens], max_new_tokens=tokens,
+                         dtype_used=worker.dtype_used)
             finally:
                 torch.cuda.set_sync_debug_mode("default")
         return [w for w in caught if "synchroniz" in str(w.message)]

@@ -188,3 +188,69 @@ def test_generation_with_the_preallocated_cache_gives_the_same_answers(tiny, arc
     sliding = copy.deepcopy(model.config)
     sliding.sliding_window = 4
     assert preallocated_cache(type("M", (), {"config": sliding})(), 10) is None
+
+
+def test_first_logits_come_from_the_first_step_without_keeping_every_steps_logits(tiny, arc_items, monkeypatch):
+    """``first_logits`` with a plain generation config: copied by a processor that runs first — bit for bit what
+    ``output_logits`` gives (that way forced), sampled or greedy — and ``generate`` is not asked to keep every
+    step's logits. Under a repetition penalty (a processor transformers runs before the caller's) the logits read
+    are still the raw ones: a first processor would see penalised ones."""
+    import copy
+
+    from fedspear.runtime import generation
+
+    model, tok = tiny
+    model = with_random_adapter(copy.deepcopy(model), 0.5)
+    contexts = [render(tok, [arc_challenge.prompt(ex)]) for ex in arc_items[:6]]
+    asked: list = []
+    real_generate = model.generate
+
+    def spy(**kwargs):
+        asked.append(kwargs["output_logits"])
+        return real_generate(**kwargs)
+
+    monkeypatch.setattr(model, "generate", spy)
+
+    def run(**kwargs) -> tuple[list, torch.Tensor]:
+        first: list = []
+        kwargs = {"do_sample": False, **kwargs}
+        answers = generation.generate(model, tok, contexts, max_new_tokens=4, batch_size=4, first_logits=first,
+                                      **kwargs)
+        return answers, torch.stack(first)  # [6, V]
+
+    assert generation.first_processor_sees_raw_logits(model)
+    copied = run()
+    assert asked == [False, False]  # 2 batches, neither keeping every step's logits
+    torch.manual_seed(0)
+    sampled = run(do_sample=True)
+    assert torch.equal(sampled[1], copied[1])  # the sampler runs after the copy
+    with monkeypatch.context() as m:
+        m.setattr(generation, "first_processor_sees_raw_logits", lambda model: False)
+        kept = run()
+    assert asked[-2:] == [True, True] and kept[0] == copied[0] and torch.equal(kept[1], copied[1])
+
+    model.generation_config.repetition_penalty = 1.5
+    assert not generation.first_processor_sees_raw_logits(model)
+    penalised_config = run()
+    assert asked[-2:] == [True, True]
+    torch.testing.assert_close(penalised_config[1], copied[1], atol=1e-5, rtol=1e-5)  # raw: the penalty is not in
+    with monkeypatch.context() as m:
+        m.setattr(generation, "first_processor_sees_raw_logits", lambda model: True)
+        assert not torch.allclose(run()[1], copied[1], atol=1e-3)  # a copy after the penalty would differ
+
+
+def test_which_generation_configs_leave_the_first_processor_the_raw_logits(tiny):
+    """Token ids and sampling settings add no processor to a generate call that does not sample; a repetition
+    penalty, a minimum length or suppressed tokens do, and so would any setting not known to be plain."""
+    import copy
+
+    from fedspear.runtime.generation import first_processor_sees_raw_logits
+
+    model, _ = tiny
+    assert first_processor_sees_raw_logits(model)
+    for setting, value, raw in [("temperature", 0.7, True), ("top_p", 0.8, True), ("top_k", 20, True),
+                                ("repetition_penalty", 1.1, False), ("min_new_tokens", 3, False),
+                                ("suppress_tokens", [5], False), ("no_repeat_ngram_size", 2, False)]:
+        other = copy.deepcopy(model)
+        setattr(other.generation_config, setting, value)
+        assert first_processor_sees_raw_logits(other) is raw, setting

@@ -175,8 +175,9 @@ def evaluate(model, tokenizer, examples: Sequence[Example], task, *, dtype_used:
             out["n_gen"] = len(generated)
         examples_all, examples = examples, generated
         contexts = [render(tokenizer, [task.prompt(ex)]) for ex in examples]
-        # the first step's logits serve log-likelihood scoring; asking for them keeps every step's [B, V] logits
-        # until the batch ends (≈ 5 GB for 32 answers of 256 tokens with a 152k vocabulary), so only when scored
+        # the first step's logits serve log-likelihood scoring: asked for only when scored (where the model's
+        # generation config adds a logits processor, generate then keeps every step's [B, V] logits until the batch
+        # ends: ≈ 5 GB for 32 answers of 256 tokens with a 152k vocabulary; runtime.generation)
         first: list[torch.Tensor] | None = [] if loglik and task.MULTIPLE_CHOICE else None
         with progress.phase("evaluation: generation"):
             completions = generate(model, tokenizer, contexts, max_new_tokens=max_new_tokens or task.MAX_NEW_TOKENS,

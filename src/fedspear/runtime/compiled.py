@@ -105,9 +105,10 @@ T = TypeVar("T")
 
 def compiles_decode(setting: str, device: torch.device) -> bool:
     """Whether ``compile_decode = setting`` compiles the decode step of a model on ``device``: ``"on"`` yes,
-    ``"off"`` no, ``"auto"`` on a CUDA GPU only: on the CPU, inductor takes about a minute per process to compile
-    even the tiny test model (this project's 2-core machine, shared), and whether the compiled step beats the CPU's
-    own kernels (``cpu_kernels``) is not measured.
+    ``"off"`` no, ``"auto"`` on a CUDA GPU only: on this project's 2-core Zen 4 CPU the compiled step decodes
+    SmolLM2-135M 1.1–1.6× faster than the eager one with ``cpu_kernels``' cache, but a process first spends 1.5–2.5
+    minutes compiling, repaid after ≈ 4,000 decode steps (``docs/performance.md``, "Decode: the candidates measured"):
+    ``"on"`` is for long runs with long answers.
 
     Raises:
         ValueError: ``setting`` is not auto, on or off.

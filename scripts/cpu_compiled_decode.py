@@ -5,7 +5,8 @@ each timed step by step as ``fedspear bench`` times decode (``bench.timed_decode
 
     .venv/bin/python scripts/cpu_compiled_decode.py
 
-Prints the first call's seconds per bucket (compilation included) and each way's tokens/s per call, with the median.
+Prints the seconds of each bucket's first two calls (the warm-up, compilation included, and one timed call) and each
+way's tokens/s per call, with the median.
 """
 
 from __future__ import annotations

@@ -207,7 +207,9 @@ def test_first_logits_come_from_the_first_step_without_keeping_every_steps_logit
 
     def spy(**kwargs):
         asked.append(kwargs["output_logits"])
-        return real_generate(**kwargs)
+        out = real_generate(**kwargs)
+        assert out.scores is None and out.attentions is None  # nor every step's scores, whatever the config says
+        return out
 
     monkeypatch.setattr(model, "generate", spy)
 
@@ -218,12 +220,13 @@ def test_first_logits_come_from_the_first_step_without_keeping_every_steps_logit
                                       **kwargs)
         return answers, torch.stack(first)  # [6, V]
 
+    model.generation_config.output_scores = True  # kept per step by return_dict_in_generate, unless turned off
     assert generation.first_processor_sees_raw_logits(model)
     copied = run()
     assert asked == [False, False]  # 2 batches, neither keeping every step's logits
     torch.manual_seed(0)
     sampled = run(do_sample=True)
-    assert torch.equal(sampled[1], copied[1])  # the sampler runs after the copy
+    assert asked[-2:] == [False, False] and torch.equal(sampled[1], copied[1])  # the sampler runs after the copy
     with monkeypatch.context() as m:
         m.setattr(generation, "first_processor_sees_raw_logits", lambda model: False)
         kept = run()
@@ -233,7 +236,7 @@ def test_first_logits_come_from_the_first_step_without_keeping_every_steps_logit
     assert not generation.first_processor_sees_raw_logits(model)
     penalised_config = run()
     assert asked[-2:] == [True, True]
-    torch.testing.assert_close(penalised_config[1], copied[1], atol=1e-5, rtol=1e-5)  # raw: the penalty is not in
+    assert torch.equal(penalised_config[1], copied[1])  # raw: the penalty is not in them
     with monkeypatch.context() as m:
         m.setattr(generation, "first_processor_sees_raw_logits", lambda model: True)
         assert not torch.allclose(run()[1], copied[1], atol=1e-3)  # a copy after the penalty would differ

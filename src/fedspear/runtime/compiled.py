@@ -106,9 +106,9 @@ T = TypeVar("T")
 def compiles_decode(setting: str, device: torch.device) -> bool:
     """Whether ``compile_decode = setting`` compiles the decode step of a model on ``device``: ``"on"`` yes,
     ``"off"`` no, ``"auto"`` on a CUDA GPU only: on this project's 2-core Zen 4 CPU the compiled step decodes
-    SmolLM2-135M 1.1–1.6× faster than the eager one with ``cpu_kernels``' cache, but a process first spends 1.5–2.5
-    minutes compiling, repaid after ≈ 4,000 decode steps (``docs/performance.md``, "Decode: the candidates measured"):
-    ``"on"`` is for long runs with long answers.
+    SmolLM2-135M 1.25–1.5× faster than the eager one with ``cpu_kernels``' cache, but a process first spends
+    1.5–2.5 minutes compiling, repaid after thousands of decode steps (``docs/performance.md``, "Decode: the
+    candidates measured"): ``"on"`` is for long runs with long answers.
 
     Raises:
         ValueError: ``setting`` is not auto, on or off.

@@ -234,6 +234,9 @@ def _generate_batches(model, tokenizer, contexts, max_new_tokens, dtype_used, do
                 use_cache=True,
                 return_dict_in_generate=True,
                 output_logits=first_logits is not None and first is None,
+                output_scores=False,  # nor every step's scores, attentions or hidden states, whatever the model's
+                output_attentions=False,  # generation config says (return_dict_in_generate would keep them)
+                output_hidden_states=False,
                 **kwargs,
                 **extra,
             )

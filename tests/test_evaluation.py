@@ -117,6 +117,11 @@ def test_prefix_cache_logits_equal_a_plain_forward_per_item(tiny, arc_items):
         for batch_size in (1, 3):
             got = next_token_logits(model, tok, contexts, batch_size=batch_size, reuse_prefix=reuse)
             torch.testing.assert_close(got, ref, atol=1e-4, rtol=1e-4)
+    columns = [[i % 7, 100 + i, 3] for i in range(len(contexts))]  # per item, the ids to keep (label tokens)
+    kept = next_token_logits(model, tok, contexts, batch_size=3, columns=columns)
+    full = next_token_logits(model, tok, contexts, batch_size=3)  # [N, V]
+    assert len(kept) == len(contexts)
+    assert all(torch.equal(k, full[i, c]) and k.shape == (3,) for i, (k, c) in enumerate(zip(kept, columns)))
 
 
 def test_wilson_interval_by_hand_and_always_holds_the_proportion():

@@ -75,8 +75,12 @@ def label_token_ids(tokenizer, labels: Sequence[str]) -> list[int]:
 
 @torch.no_grad()
 def next_token_logits(model, tokenizer, contexts: Sequence[Sequence[int]], *, dtype_used: str = "fp32",
-                      batch_size: int = 16, reuse_prefix: bool = True) -> torch.Tensor:
-    """Next-token logits after each context, one forward per context → ``[N, V]`` float32, in input order.
+                      batch_size: int = 16, reuse_prefix: bool = True,
+                      columns: Sequence[Sequence[int]] | None = None) -> torch.Tensor | list[torch.Tensor]:
+    """Next-token logits after each context, one forward per context → ``[N, V]`` float32, in input order; with
+    ``columns`` (per context, the token ids to keep: log-likelihood scoring's label tokens) a list of ``N`` float32
+    tensors ``[len(columns[i])]`` instead, so the vocabulary's logits are not held for every item (Qwen2.5's 152k
+    tokens: 0.6 MB an item).
 
     The tokens every context shares (chat template, system text, instruction: 53 of ≈124 tokens for ARC with
     Qwen2.5) are run once and their KV cache is reused by every batch (``reuse_prefix``); the rest of each context
@@ -122,9 +126,9 @@ def next_token_logits(model, tokenizer, contexts: Sequence[Sequence[int]], *, dt
                           torch.tensor([len(t) - 1 for t in tails], device=device)]  # [B, H]
             logits = head(last).float()  # [B, V]
         for i, r in enumerate(rows):
-            out[r] = logits[i]
+            out[r] = logits[i] if columns is None else logits[i, list(columns[r])]  # [V] | [K] (a copy)
         progress.advance(len(rows))
-    return torch.stack(out)
+    return torch.stack(out) if columns is None else out
 
 
 def loglik_predictions(model, tokenizer, examples: Sequence[Example], task, *, dtype_used="fp32",
@@ -132,9 +136,10 @@ def loglik_predictions(model, tokenizer, examples: Sequence[Example], task, *, d
     """The label with the highest next-token log-probability after each prompt (one forward per item, see
     ``next_token_logits``), in the order of ``examples``."""
     contexts = [render(tokenizer, [task.prompt(ex)]) for ex in examples]
-    logits = next_token_logits(model, tokenizer, contexts, dtype_used=dtype_used, batch_size=batch_size,
-                               reuse_prefix=reuse_prefix)  # [N, V]
-    return [ex.labels[int(row[label_token_ids(tokenizer, ex.labels)].argmax())] for row, ex in zip(logits, examples)]
+    labels = [label_token_ids(tokenizer, ex.labels) for ex in examples]
+    scores = next_token_logits(model, tokenizer, contexts, dtype_used=dtype_used, batch_size=batch_size,
+                               reuse_prefix=reuse_prefix, columns=labels)  # N × [labels]
+    return [ex.labels[int(row.argmax())] for row, ex in zip(scores, examples)]
 
 
 def evaluate(model, tokenizer, examples: Sequence[Example], task, *, dtype_used: str = "fp32",

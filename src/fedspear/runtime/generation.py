@@ -13,7 +13,7 @@ from .. import progress
 from .compiled import batch_bucket, compiled_decode, stop_checks_deferred
 from .cpu_kernels import preallocated_cache
 from .model import autocast, merged_adapter, model_device, pad_id
-from .sampling import sampler_for
+from .sampling import OTHER_WARPERS, sampler_for
 
 
 def shared_prefix_length(contexts: Sequence[Sequence[int]]) -> int:
@@ -65,14 +65,15 @@ class _PaddingRows:
 
 
 # generation-config settings under which transformers adds no logits processor of its own to a ``generate`` call that
-# does not sample: token ids, bookkeeping, lengths, and the sampling warpers' settings (applied only when it samples).
+# does not sample: token ids, bookkeeping, lengths, and the sampling warpers' settings (applied only when it samples;
+# ``runtime.sampling.OTHER_WARPERS`` names those the sampler lacks).
 # Anything else — a repetition penalty, bad words, forced or suppressed tokens, a minimum length, and whatever a later
 # transformers adds — may put a processor before the caller's (``GenerationMixin._get_logits_processor``).
 PLAIN_CONFIG = frozenset({
     "bos_token_id", "eos_token_id", "pad_token_id", "decoder_start_token_id", "_from_model_config",
     "transformers_version", "use_cache", "output_attentions", "output_hidden_states", "output_scores",
     "output_logits", "return_dict_in_generate", "max_length", "max_new_tokens", "do_sample", "temperature", "top_k",
-    "top_p", "min_p", "typical_p", "epsilon_cutoff", "eta_cutoff", "top_h",
+    "top_p", *OTHER_WARPERS,
 })
 
 
@@ -185,6 +186,8 @@ def _generate_batches(model, tokenizer, contexts, max_new_tokens, dtype_used, do
         decoding = dict(do_sample=False, temperature=None, top_p=None, top_k=None)
     compiled = compiled_decode(model)
     reuse_prefix = reuse_prefix and compiled is None  # a static cache is filled by one prefill of the whole batch
+    # the first step's raw logits: kept by a processor that runs first where one does, else every step's asked for
+    copy_first = first_logits is not None and not decoding["do_sample"] and first_processor_sees_raw_logits(model)
     out: list[list[int]] = []
     for start in range(0, len(contexts), batch_size):
         chunk = contexts[start : start + batch_size]
@@ -206,9 +209,7 @@ def _generate_batches(model, tokenizer, contexts, max_new_tokens, dtype_used, do
             mask[i, prefix + width - len(tail) :] = 1
         input_ids, attention = torch.as_tensor(ids, device=device), torch.as_tensor(mask, device=device)
         kwargs = dict(decoding)  # this batch's: stopping criteria and the cache are added below
-        # the first step's raw logits: kept by a processor that runs first where one does, else every step's asked for
-        first = _FirstLogits() if first_logits is not None and not decoding["do_sample"] \
-            and first_processor_sees_raw_logits(model) else None
+        first = _FirstLogits() if copy_first else None
         if first is not None:
             kwargs["logits_processor"] = LogitsProcessorList([first, *kwargs.get("logits_processor", [])])
         steps = _DecodeSteps() if progress.active() else None

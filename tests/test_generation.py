@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 from helpers import with_random_adapter
 
@@ -240,6 +241,32 @@ def test_first_logits_come_from_the_first_step_without_keeping_every_steps_logit
     with monkeypatch.context() as m:
         m.setattr(generation, "first_processor_sees_raw_logits", lambda model: True)
         assert not torch.allclose(run()[1], copied[1], atol=1e-3)  # a copy after the penalty would differ
+
+
+def test_first_columns_keep_only_those_logits_on_the_host(tiny, arc_items, monkeypatch):
+    """``first_columns``: each context's chosen columns of its first-step logits, as a float32 CPU tensor — equal to
+    the full row at those columns, whichever way the row was read (copied first, or from ``output_logits``), with
+    rows of a batch asking for different numbers of columns; a columns list of the wrong length is refused."""
+    from fedspear.runtime import generation
+
+    model, tok = tiny
+    contexts = [render(tok, [arc_challenge.prompt(ex)]) for ex in arc_items[:5]]
+    columns = [[3, 7, 1], [0], [5, 5, 9, 2], [11, 4], [6, 8, 10]]
+    rows: list = []
+    generation.generate(model, tok, contexts, max_new_tokens=2, do_sample=False, batch_size=3, first_logits=rows)
+    for raw in (True, False):
+        with monkeypatch.context() as m:
+            m.setattr(generation, "first_processor_sees_raw_logits", lambda model: raw)
+            kept: list = []
+            generation.generate(model, tok, contexts, max_new_tokens=2, do_sample=False, batch_size=3,
+                                first_logits=kept, first_columns=columns)
+        assert len(kept) == len(contexts)
+        for got, row, cols in zip(kept, rows, columns):
+            assert got.device.type == "cpu" and got.dtype == torch.float32 and got.shape == (len(cols),)
+            assert torch.equal(got, row[cols].cpu())
+    with pytest.raises(ValueError, match="columns for 4 contexts, not 5"):
+        generation.generate(model, tok, contexts, max_new_tokens=2, do_sample=False, first_logits=[],
+                            first_columns=columns[:4])
 
 
 def test_which_generation_configs_leave_the_first_processor_the_raw_logits(tiny):

@@ -305,10 +305,11 @@ def test_evaluation_asks_for_first_step_logits_only_when_it_scores_them(task, lo
     tok = ByteTokenizer()
     seen = {}
 
-    def generate(model, tokenizer, contexts, *, first_logits=None, batch_size=None, **kwargs):
+    def generate(model, tokenizer, contexts, *, first_logits=None, first_columns=None, batch_size=None, **kwargs):
         seen.update(first_logits=first_logits, batch_size=batch_size)
+        assert (first_columns is None) == (first_logits is None)  # label tokens only, when scored
         if first_logits is not None:
-            first_logits.extend(torch.zeros(257) for _ in contexts)
+            first_logits.extend(torch.zeros(len(columns)) for columns in first_columns)
         return [tok.encode("Answer: A") + [tok.eos_token_id] for _ in contexts]
 
     monkeypatch.setattr(evaluation, "generate", generate)

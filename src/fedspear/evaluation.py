@@ -182,13 +182,15 @@ def evaluate(model, tokenizer, examples: Sequence[Example], task, *, dtype_used:
         contexts = [render(tokenizer, [task.prompt(ex)]) for ex in examples]
         # the first step's logits serve log-likelihood scoring: asked for only when scored (where the model's
         # generation config adds a logits processor, generate then keeps every step's [B, V] logits until the batch
-        # ends: ≈ 5 GB for 32 answers of 256 tokens with a 152k vocabulary; runtime.generation)
+        # ends: ≈ 5 GB for 32 answers of 256 tokens with a 152k vocabulary; runtime.generation), and of those only
+        # the label tokens' are kept (a [V] row per item would hold 0.6 MB each with Qwen2.5)
         first: list[torch.Tensor] | None = [] if loglik and task.MULTIPLE_CHOICE else None
+        columns = [label_token_ids(tokenizer, ex.labels) for ex in examples] if first is not None else None
         with progress.phase("evaluation: generation"):
             completions = generate(model, tokenizer, contexts, max_new_tokens=max_new_tokens or task.MAX_NEW_TOKENS,
-                                   dtype_used=dtype_used, do_sample=False, batch_size=batch_size, first_logits=first)
-        predictions = [ex.labels[int(logits[label_token_ids(tokenizer, ex.labels)].argmax())]
-                       for logits, ex in zip(first or [], examples)]
+                                   dtype_used=dtype_used, do_sample=False, batch_size=batch_size, first_logits=first,
+                                   first_columns=columns)
+        predictions = [ex.labels[int(logits.argmax())] for logits, ex in zip(first or [], examples)]
         texts = [tokenizer.decode(c, skip_special_tokens=True) for c in completions]
         labels_gen = [task.extract_answer(t, ex) for t, ex in zip(texts, examples)]
         outcomes = "".join("1" if a == ex.gold else "0" for a, ex in zip(labels_gen, examples))

@@ -115,6 +115,7 @@ def generate(
     top_p: float = 0.95,
     batch_size: int = 64,
     first_logits: list[torch.Tensor] | None = None,
+    first_columns: Sequence[Sequence[int]] | None = None,
     reuse_prefix: bool = True,
     merge: bool | None = None,
 ) -> list[list[int]]:
@@ -133,6 +134,11 @@ def generate(
             Copied from the first step (``_FirstLogits``) where the model's generation config adds no logits
             processor (``first_processor_sees_raw_logits``), else read from ``output_logits``, for which
             ``generate`` keeps every step's ``[B, V]`` logits until the batch ends.
+        first_columns: with ``first_logits``, per context the token ids whose first-step logits to keep
+            (log-likelihood scoring's label tokens): ``first_logits`` then receives a float32 ``[len(columns[i])]``
+            CPU tensor per context instead of the ``[V]`` row on the model's device (Qwen2.5's 152k-token vocabulary:
+            0.6 MB a context, which a whole evaluation split would otherwise hold in GPU memory). ``ValueError`` if
+            its length differs from ``contexts``'.
         reuse_prefix: run the tokens all contexts of a batch share (chat template, system text, task instruction:
             61 of ≈137 tokens for ARC with SmolLM2) once and hand their KV cache to every row. The rows are laid
             out ``[prefix | left padding | own tokens]``; positions follow the attention mask, so each row sees what
@@ -149,6 +155,8 @@ def generate(
     Returns:
         One list of new token ids per context, cut after the first EOS (EOS kept).
     """
+    if first_columns is not None and len(first_columns) != len(contexts):
+        raise ValueError(f"first_columns names columns for {len(first_columns)} contexts, not {len(contexts)}")
     was_training = model.training
     model.eval()
     # every batch's whole token budget up front, so the phase's ETA covers all of them; a batch that stops early
@@ -158,13 +166,13 @@ def generate(
     merge = False if compiled else (merges_adapter(model, dtype_used) if merge is None else merge)
     with merged_adapter(model, enabled=merge):
         out = _generate_batches(model, tokenizer, contexts, max_new_tokens, dtype_used, do_sample, temperature,
-                                top_p, batch_size, first_logits, reuse_prefix)
+                                top_p, batch_size, first_logits, first_columns, reuse_prefix)
     model.train(was_training)
     return out
 
 
 def _generate_batches(model, tokenizer, contexts, max_new_tokens, dtype_used, do_sample, temperature, top_p,
-                      batch_size, first_logits, reuse_prefix) -> list[list[int]]:
+                      batch_size, first_logits, first_columns, reuse_prefix) -> list[list[int]]:
     """``generate``'s loop over batches of ``contexts`` (the model in eval mode, merged or not)."""
     from transformers import LogitsProcessorList
 
@@ -261,7 +269,15 @@ def _generate_batches(model, tokenizer, contexts, max_new_tokens, dtype_used, do
             progress.advance(max_new_tokens - steps.count)  # a batch that ended early: its unused budget
         if first_logits is not None:
             logits = first.logits if first is not None else generated.logits[0]  # [B, V]
-            first_logits.extend(logits[:real].float())  # B × [V]
+            if first_columns is None:
+                first_logits.extend(logits[:real].float())  # B × [V]
+            else:  # one gather and one copy to the host for the batch: B × [K_i]
+                columns = first_columns[start : start + real]
+                counts = [len(c) for c in columns]
+                rows = torch.repeat_interleave(torch.arange(real), torch.tensor(counts, dtype=torch.long))
+                flat = torch.tensor([c for cols in columns for c in cols], dtype=torch.long)
+                kept = logits[rows.to(logits.device), flat.to(logits.device)].float().cpu()  # [sum K_i]
+                first_logits.extend(kept.split(counts))
         for row in generated.sequences[:real, prefix + width :].tolist():  # [B, new]
             if eos in row:
                 row = row[: row.index(eos) + 1]

@@ -270,8 +270,9 @@ def test_first_columns_keep_only_those_logits_on_the_host(tiny, arc_items, monke
 
 
 def test_which_generation_configs_leave_the_first_processor_the_raw_logits(tiny):
-    """Token ids and sampling settings add no processor to a generate call that does not sample; a repetition
-    penalty, a minimum length or suppressed tokens do, and so would any setting not known to be plain."""
+    """Token ids and sampling settings add no processor to a generate call that does not sample, nor do a
+    repetition penalty of 1, an n-gram size or minimum length of 0; a real repetition penalty, a minimum length or
+    suppressed tokens do, and so would any setting not known to be plain."""
     import copy
 
     from fedspear.runtime.generation import first_processor_sees_raw_logits
@@ -280,7 +281,9 @@ def test_which_generation_configs_leave_the_first_processor_the_raw_logits(tiny)
     assert first_processor_sees_raw_logits(model)
     for setting, value, raw in [("temperature", 0.7, True), ("top_p", 0.8, True), ("top_k", 20, True),
                                 ("repetition_penalty", 1.1, False), ("min_new_tokens", 3, False),
-                                ("suppress_tokens", [5], False), ("no_repeat_ngram_size", 2, False)]:
+                                ("suppress_tokens", [5], False), ("no_repeat_ngram_size", 2, False),
+                                ("repetition_penalty", 1.0, True), ("no_repeat_ngram_size", 0, True),
+                                ("min_new_tokens", 0, True), ("guidance_scale", 1.0, True)]:
         other = copy.deepcopy(model)
         setattr(other.generation_config, setting, value)
         assert first_processor_sees_raw_logits(other) is raw, setting

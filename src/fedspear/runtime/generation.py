@@ -75,15 +75,22 @@ PLAIN_CONFIG = frozenset({
     "output_logits", "return_dict_in_generate", "max_length", "max_new_tokens", "do_sample", "temperature", "top_k",
     "top_p", *OTHER_WARPERS,
 })
+# settings that add a processor only away from these values (a config may spell them out: ``repetition_penalty: 1.0``)
+NEUTRAL_CONFIG = {"repetition_penalty": 1.0, "encoder_repetition_penalty": 1.0, "guidance_scale": 1.0,
+                  "no_repeat_ngram_size": 0, "encoder_no_repeat_ngram_size": 0, "min_length": 0, "min_new_tokens": 0}
 
 
 def first_processor_sees_raw_logits(model) -> bool:
     """Whether the first logits processor passed to ``generate(do_sample=False, …)`` receives the raw logits
     (``outputs.logits[:, -1]`` in float32, what ``output_logits`` returns): transformers runs the processors its
     generation config asks for first and the caller's after them (``_merge_criteria_processor_list``), so only
-    where that config sets nothing beyond ``PLAIN_CONFIG`` (the packaged models' configs: token ids alone)."""
+    where that config sets nothing beyond ``PLAIN_CONFIG`` (the packaged models' configs: token ids alone), or
+    sets a ``NEUTRAL_CONFIG`` setting to its neutral value or to None."""
     config = getattr(model, "generation_config", None)
-    return config is None or set(config.to_diff_dict()) <= PLAIN_CONFIG
+    if config is None:
+        return True
+    return all(key in PLAIN_CONFIG or (key in NEUTRAL_CONFIG and value in (None, NEUTRAL_CONFIG[key]))
+               for key, value in config.to_diff_dict().items())
 
 
 class _FirstLogits:

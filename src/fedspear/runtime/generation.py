@@ -281,9 +281,9 @@ def _generate_batches(model, tokenizer, contexts, max_new_tokens, dtype_used, do
             else:  # one gather and one copy to the host for the batch: B × [K_i]
                 columns = first_columns[start : start + real]
                 counts = [len(c) for c in columns]
-                rows = torch.repeat_interleave(torch.arange(real), torch.tensor(counts, dtype=torch.long))
-                flat = torch.tensor([c for cols in columns for c in cols], dtype=torch.long)
-                kept = logits[rows.to(logits.device), flat.to(logits.device)].float().cpu()  # [sum K_i]
+                rows = torch.tensor([i for i, n in enumerate(counts) for _ in range(n)], device=logits.device)
+                flat = torch.tensor([c for cols in columns for c in cols], dtype=torch.long, device=logits.device)
+                kept = logits[rows, flat].float().cpu()  # [sum K_i]
                 first_logits.extend(kept.split(counts))
         for row in generated.sequences[:real, prefix + width :].tolist():  # [B, new]
             if eos in row:

@@ -483,7 +483,8 @@ def test_a_deferred_stop_check_gives_the_same_answers_and_undoes_its_extra_step(
 def test_generate_samples_sync_free_where_the_stop_check_is_deferred(counting, monkeypatch, arc_items):
     """``generate`` asks the sampler to read nothing back exactly where the compiled decode defers its stop check
     (on the CPU here with a stand-in event): then no step calls ``torch.multinomial`` (whose checks read the device);
-    eager decoding, or the check read every step, keeps the top-2k way."""
+    eager decoding, or the check read every step (turned off, or a cache that cannot undo a step), keeps the top-2k
+    way."""
     from fedspear.runtime import sampling
 
     model, tokenizer, dtype_used = _model("fp32")
@@ -507,5 +508,8 @@ def test_generate_samples_sync_free_where_the_stop_check_is_deferred(counting, m
     assert sampled() == ({False}, len(seen)) and seen  # eager: the top-2k way, multinomial every step
     use_compiled_decode(model, "on", backend=counting)
     assert sampled() == ({True}, 0)  # deferred: sync-free, no multinomial
+    with monkeypatch.context() as m:  # a cache that cannot undo a step (a sliding-window model's): read every step
+        m.setattr(compiled, "DEFERS", "not_one_of_ours")
+        assert sampled() == ({False}, len(seen))
     monkeypatch.setattr(compiled, "DEFER_STOP_CHECK", False)
     assert sampled() == ({False}, len(seen))  # read every step: nothing gained by reading nothing back

@@ -27,7 +27,7 @@ def test_loglik_from_generation_equals_a_separate_forward(tiny, arc_items):
     assert from_generation == loglik_predictions(model, tok, arc_items, arc_challenge)
     ev = evaluate(model, tok, arc_items, arc_challenge, generation=True)
     only_ll = evaluate(model, tok, arc_items, arc_challenge, generation=False)
-    assert ev["acc_ll"] == only_ll["acc_ll"] and "acc_gen" in ev and "acc_gen" not in only_ll
+    assert ev["correct_ll"] == only_ll["correct_ll"] and "acc_gen" in ev and "acc_gen" not in only_ll  # item by item
 
 
 def test_generation_on_a_subset_log_likelihood_on_all(tiny, arc_items):
@@ -117,11 +117,15 @@ def test_prefix_cache_logits_equal_a_plain_forward_per_item(tiny, arc_items):
         for batch_size in (1, 3):
             got = next_token_logits(model, tok, contexts, batch_size=batch_size, reuse_prefix=reuse)
             torch.testing.assert_close(got, ref, atol=1e-4, rtol=1e-4)
-    columns = [[i % 7, 100 + i, 3] for i in range(len(contexts))]  # per item, the ids to keep (label tokens)
+    columns = [[i % 7, 100 + i, 3][: 1 + i % 3] for i in range(len(contexts))]  # per item the ids to keep: 1–3
     kept = next_token_logits(model, tok, contexts, batch_size=3, columns=columns)
     full = next_token_logits(model, tok, contexts, batch_size=3)  # [N, V]
     assert len(kept) == len(contexts)
-    assert all(torch.equal(k, full[i, c]) and k.shape == (3,) for i, (k, c) in enumerate(zip(kept, columns)))
+    assert all(torch.equal(k, full[i, c].cpu()) and k.shape == (len(c),) and k.device.type == "cpu"
+               for i, (k, c) in enumerate(zip(kept, columns)))
+    assert next_token_logits(model, tok, [], columns=[]) == []
+    with pytest.raises(ValueError, match="columns for 2 contexts, not 3"):
+        next_token_logits(model, tok, contexts[:3], columns=columns[:2])
 
 
 def test_wilson_interval_by_hand_and_always_holds_the_proportion():

@@ -264,6 +264,10 @@ def test_first_columns_keep_only_those_logits_on_the_host(tiny, arc_items, monke
         for got, row, cols in zip(kept, rows, columns):
             assert got.device.type == "cpu" and got.dtype == torch.float32 and got.shape == (len(cols),)
             assert torch.equal(got, row[cols].cpu())
+    none: list = []  # a batch whose rows keep no column at all
+    generation.generate(model, tok, contexts[:2], max_new_tokens=2, do_sample=False, first_logits=none,
+                        first_columns=[[], []])
+    assert [t.shape for t in none] == [(0,), (0,)]
     with pytest.raises(ValueError, match="columns for 4 contexts, not 5"):
         generation.generate(model, tok, contexts, max_new_tokens=2, do_sample=False, first_logits=[],
                             first_columns=columns[:4])
@@ -287,3 +291,23 @@ def test_which_generation_configs_leave_the_first_processor_the_raw_logits(tiny)
         other = copy.deepcopy(model)
         setattr(other.generation_config, setting, value)
         assert first_processor_sees_raw_logits(other) is raw, setting
+
+
+def test_a_failed_generate_puts_the_training_mode_back(tiny, arc_items, monkeypatch):
+    """``generate`` decodes in eval mode and restores the caller's mode, also when decoding raises."""
+    import copy
+
+    from fedspear.runtime import generation
+
+    model, tok = tiny
+    model = copy.deepcopy(model)
+    model.train()
+
+    def fail(**kwargs):
+        assert not model.training
+        raise RuntimeError("decoding failed")
+
+    monkeypatch.setattr(model, "generate", fail)
+    with pytest.raises(RuntimeError, match="decoding failed"):
+        generation.generate(model, tok, [render(tok, [arc_challenge.prompt(arc_items[0])])], max_new_tokens=2)
+    assert model.training

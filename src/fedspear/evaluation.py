@@ -86,12 +86,20 @@ def next_token_logits(model, tokenizer, contexts: Sequence[Sequence[int]], *, dt
     Qwen2.5) are run once and their KV cache is reused by every batch (``reuse_prefix``); the rest of each context
     is right-padded after it. Batches are formed in order of context length so they pad little. Works for any
     transformers causal LM, peft-wrapped or not, that has ``get_decoder`` and ``get_output_embeddings``.
+
+    The ``[N, V]`` logits are on the model's device; the ``columns`` form's tensors are on the host (one gather and
+    one copy per batch).
+
+    Raises:
+        ValueError: ``columns`` names columns for another number of contexts than ``len(contexts)``.
     """
     import copy
 
+    if columns is not None and len(columns) != len(contexts):
+        raise ValueError(f"columns names columns for {len(columns)} contexts, not {len(contexts)}")
     device = model_device(model)
     if not contexts:
-        return torch.zeros(0, 0, device=device)
+        return [] if columns is not None else torch.zeros(0, 0, device=device)
     pad = pad_id(tokenizer)
     base = model.get_base_model() if hasattr(model, "get_base_model") else model
     decoder, head = base.get_decoder(), base.get_output_embeddings()
@@ -108,12 +116,14 @@ def next_token_logits(model, tokenizer, contexts: Sequence[Sequence[int]], *, dt
         rows = order[start : start + batch_size]
         tails = [list(contexts[r][prefix:]) for r in rows]
         width = max(len(t) for t in tails)
-        ids = torch.full((len(rows), width), pad, dtype=torch.long, device=device)  # [B, S], right-padded after P
-        mask = torch.zeros((len(rows), prefix + width), dtype=torch.long, device=device)  # [B, P + S]
+        # laid out on the host, then one copy each to the model's device (on a GPU each copy waits for it)
+        ids = np.full((len(rows), width), pad, dtype=np.int64)  # [B, S], right-padded after P
+        mask = np.zeros((len(rows), prefix + width), dtype=np.int64)  # [B, P + S]
         mask[:, :prefix] = 1
         for i, tail in enumerate(tails):
-            ids[i, : len(tail)] = torch.tensor(tail, device=device)
+            ids[i, : len(tail)] = tail
             mask[i, prefix : prefix + len(tail)] = 1
+        ids, mask = torch.as_tensor(ids, device=device), torch.as_tensor(mask, device=device)
         positions = torch.arange(prefix, prefix + width, device=device).expand(len(rows), -1)  # [B, S]
         past = None
         if cache is not None:
@@ -125,8 +135,15 @@ def next_token_logits(model, tokenizer, contexts: Sequence[Sequence[int]], *, dt
             last = hidden[torch.arange(len(rows), device=device),
                           torch.tensor([len(t) - 1 for t in tails], device=device)]  # [B, H]
             logits = head(last).float()  # [B, V]
-        for i, r in enumerate(rows):
-            out[r] = logits[i] if columns is None else logits[i, list(columns[r])]  # [V] | [K] (a copy)
+        if columns is None:
+            for i, r in enumerate(rows):
+                out[r] = logits[i]  # [V]
+        else:  # one gather and one copy to the host for the batch: B × [K_i]
+            counts = [len(columns[r]) for r in rows]
+            at = torch.tensor([i for i, n in enumerate(counts) for _ in range(n)], dtype=torch.long, device=device)
+            flat = torch.tensor([c for r in rows for c in columns[r]], dtype=torch.long, device=device)
+            for r, kept in zip(rows, logits[at, flat].cpu().split(counts)):
+                out[r] = kept
         progress.advance(len(rows))
     return torch.stack(out) if columns is None else out
 

@@ -290,6 +290,13 @@ def stop_checks_deferred(device: torch.device) -> bool:
     return DEFER_STOP_CHECK and torch.device(device).type in DEFER_DEVICES and defer_stop_checks()
 
 
+def defers_stop_check(cache, device: torch.device) -> bool:
+    """Whether ``generate`` decoding into ``cache`` on ``device`` reads the stop check one step late: where
+    ``stop_checks_deferred(device)`` and ``cache`` is one of this module's that can undo a step (``DEFERS``: every
+    layer a ``StaticLayer``; a model with sliding-window layers gets transformers' own choice, not deferred on CUDA)."""
+    return stop_checks_deferred(device) and bool(getattr(cache, DEFERS, False))
+
+
 def defer_stop_checks() -> bool:
     """Let transformers' ``generate`` check for stopped rows one step late (``DeferredStopCheck``; module docstring,
     "Stop checks") when it decodes into a static cache of this module's on a device of ``DEFER_DEVICES`` while

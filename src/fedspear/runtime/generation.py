@@ -10,7 +10,7 @@ import numpy as np
 import torch
 
 from .. import progress
-from .compiled import batch_bucket, compiled_decode, stop_checks_deferred
+from .compiled import batch_bucket, compiled_decode, defers_stop_check
 from .cpu_kernels import preallocated_cache
 from .model import autocast, merged_adapter, model_device, pad_id
 from .sampling import OTHER_WARPERS, sampler_for
@@ -171,11 +171,12 @@ def generate(
     progress.expect(-(-len(contexts) // batch_size) * max_new_tokens, "tokens")
     compiled = compiled_decode(model) is not None
     merge = False if compiled else (merges_adapter(model, dtype_used) if merge is None else merge)
-    with merged_adapter(model, enabled=merge):
-        out = _generate_batches(model, tokenizer, contexts, max_new_tokens, dtype_used, do_sample, temperature,
-                                top_p, batch_size, first_logits, first_columns, reuse_prefix)
-    model.train(was_training)
-    return out
+    try:
+        with merged_adapter(model, enabled=merge):
+            return _generate_batches(model, tokenizer, contexts, max_new_tokens, dtype_used, do_sample, temperature,
+                                     top_p, batch_size, first_logits, first_columns, reuse_prefix)
+    finally:
+        model.train(was_training)
 
 
 def _generate_batches(model, tokenizer, contexts, max_new_tokens, dtype_used, do_sample, temperature, top_p,
@@ -191,8 +192,7 @@ def _generate_batches(model, tokenizer, contexts, max_new_tokens, dtype_used, do
     # for a warper the sampler lacks
     sampler = sampler_for(model, temperature, top_p) if do_sample else None
     if sampler is not None:
-        # reading nothing back pays only where the stop check does not read every step either
-        sampler.sync_free = compiled_decode(model) is not None and stop_checks_deferred(device)
+        sampler.sync_free = False  # set per batch below: only where the stop check is read a step late
         decoding = dict(do_sample=False, temperature=None, top_p=None, top_k=None,
                         logits_processor=LogitsProcessorList([sampler]))
     elif do_sample:
@@ -241,6 +241,9 @@ def _generate_batches(model, tokenizer, contexts, max_new_tokens, dtype_used, do
                 first.logits = None  # a call run again (CompiledDecode.decode) keeps its own first step
             extra = compiled.generate_kwargs(model, len(chunk), width + max_new_tokens) if compiled is not None \
                 else ({"past_key_values": cache} if cache is not None else {})
+            if sampler is not None and compiled is not None:
+                # reading nothing back pays only where the stop check does not read every step either
+                sampler.sync_free = defers_stop_check(extra["past_key_values"], device)
             return model.generate(
                 input_ids=input_ids,
                 attention_mask=attention,
@@ -281,7 +284,8 @@ def _generate_batches(model, tokenizer, contexts, max_new_tokens, dtype_used, do
             else:  # one gather and one copy to the host for the batch: B × [K_i]
                 columns = first_columns[start : start + real]
                 counts = [len(c) for c in columns]
-                rows = torch.tensor([i for i, n in enumerate(counts) for _ in range(n)], device=logits.device)
+                rows = torch.tensor([i for i, n in enumerate(counts) for _ in range(n)], dtype=torch.long,
+                                    device=logits.device)
                 flat = torch.tensor([c for cols in columns for c in cols], dtype=torch.long, device=logits.device)
                 kept = logits[rows, flat].float().cpu()  # [sum K_i]
                 first_logits.extend(kept.split(counts))

@@ -25,7 +25,7 @@ import torch
 
 from . import progress
 from .health import eval_health
-from .runtime.generation import generate, shared_prefix_length
+from .runtime.generation import generate, host_columns, shared_prefix_length
 from .interaction import render
 from .runtime.model import autocast, model_device, pad_id
 from .tasks.base import Example
@@ -138,12 +138,9 @@ def next_token_logits(model, tokenizer, contexts: Sequence[Sequence[int]], *, dt
         if columns is None:
             for i, r in enumerate(rows):
                 out[r] = logits[i]  # [V]
-        else:  # one gather and one copy to the host for the batch: B × [K_i]
-            counts = [len(columns[r]) for r in rows]
-            at = torch.tensor([i for i, n in enumerate(counts) for _ in range(n)], dtype=torch.long, device=device)
-            flat = torch.tensor([c for r in rows for c in columns[r]], dtype=torch.long, device=device)
-            for r, kept in zip(rows, logits[at, flat].cpu().split(counts)):
-                out[r] = kept
+        else:
+            for r, kept in zip(rows, host_columns(logits, [columns[r] for r in rows])):
+                out[r] = kept  # [K]
         progress.advance(len(rows))
     return torch.stack(out) if columns is None else out
 

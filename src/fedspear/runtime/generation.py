@@ -16,6 +16,23 @@ from .model import autocast, merged_adapter, model_device, pad_id
 from .sampling import OTHER_WARPERS, sampler_for
 
 
+def host_columns(logits: torch.Tensor, columns: Sequence[Sequence[int]]) -> list[torch.Tensor]:
+    """Row i's logits at ``columns[i]``, on the host: one gather and one copy for all rows (on a GPU each copy waits
+    for it).
+
+    Args:
+        logits: ``[B, V]`` (at least ``len(columns)`` rows; rows past them are ignored), any device and dtype.
+        columns: per row, the token ids to keep (any number, none included).
+
+    Returns:
+        ``len(columns)`` float32 CPU tensors ``[len(columns[i])]``.
+    """
+    counts = [len(c) for c in columns]
+    rows = torch.tensor([i for i, n in enumerate(counts) for _ in range(n)], dtype=torch.long, device=logits.device)
+    flat = torch.tensor([c for cols in columns for c in cols], dtype=torch.long, device=logits.device)
+    return list(logits[rows, flat].float().cpu().split(counts))
+
+
 def shared_prefix_length(contexts: Sequence[Sequence[int]]) -> int:
     """Number of leading tokens all ``contexts`` share, capped so every context keeps at least one token after it."""
     if not contexts:
@@ -281,14 +298,8 @@ def _generate_batches(model, tokenizer, contexts, max_new_tokens, dtype_used, do
             logits = first.logits if first is not None else generated.logits[0]  # [B, V]
             if first_columns is None:
                 first_logits.extend(logits[:real].float())  # B × [V]
-            else:  # one gather and one copy to the host for the batch: B × [K_i]
-                columns = first_columns[start : start + real]
-                counts = [len(c) for c in columns]
-                rows = torch.tensor([i for i, n in enumerate(counts) for _ in range(n)], dtype=torch.long,
-                                    device=logits.device)
-                flat = torch.tensor([c for cols in columns for c in cols], dtype=torch.long, device=logits.device)
-                kept = logits[rows, flat].float().cpu()  # [sum K_i]
-                first_logits.extend(kept.split(counts))
+            else:
+                first_logits.extend(host_columns(logits, first_columns[start : start + real]))  # B × [K_i]
         for row in generated.sequences[:real, prefix + width :].tolist():  # [B, new]
             if eos in row:
                 row = row[: row.index(eos) + 1]

@@ -1,4 +1,5 @@
-"""Server maths, no ``flwr``: the weighted and robust averages of client adapters (``aggregation``), the server
+"""Server maths, no ``flwr``: the win-weighted and fixed-denominator averages of client adapters and the
+pseudo-gradient (``aggregation``; the robust rules are Flower's, called from ``fedspear.fl.strategy``), the server
 optimisers FedAdam / FedYogi (``server_opt``), the per-round client learning rate (``schedule``) and the checks every
 client reply passes before it is averaged (``validation``). ``fedspear.fl.strategy`` calls them from Flower.
 """

@@ -58,6 +58,27 @@ def test_too_many_clients_for_the_data():
     assert "num_clients = 10 exceeds the 5 train examples" in result.output
 
 
+@pytest.mark.parametrize(("args", "fragment"), [
+    (["--output", "{tmp}/bench.md"], "give a .json path, e.g. {tmp}/bench.json"),  # the .md would overwrite the JSON
+    (["--output", "{tmp}"], "is a folder; give a file path, e.g. {tmp}/bench.json"),
+    (["--results-dir", "{tmp}/file.txt"], "is an existing file, not a folder"),
+    (["--dtype", "bf17"], "dtype must be one of auto, bf16, fp32"),
+    (["--gradient-checkpointing", "maybe"], "--gradient-checkpointing must be auto, on or off"),
+    (["--compile-decode", "yes"], "--compile-decode must be auto, on or off"),
+])
+def test_bench_refuses_bad_input_before_measuring(args, fragment, tmp_path, monkeypatch):
+    """A bad value or output path stops `fedspear bench` before it measures (minutes), not after; nothing written."""
+    from fedspear.experiments import bench
+
+    (tmp_path / "file.txt").write_text("keep")
+    monkeypatch.setattr(bench, "run_bench", lambda **kwargs: pytest.fail("measured despite bad input"))
+    result = runner.invoke(app, ["bench", "--model", "tiny-random", "--quick", "--no-round",
+                                 *[a.format(tmp=tmp_path) for a in args]])
+    assert result.exit_code == 2, result.output
+    assert fragment.format(tmp=tmp_path) in result.output and "Traceback" not in result.output
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["file.txt"]
+
+
 def test_bench_quick_prints_every_figure(tmp_path):
     """`fedspear bench --quick` on the tiny model: the JSON has every bound, throughput and round phase (speed is
     not asserted; the figures for this machine are in docs/results/bench)."""

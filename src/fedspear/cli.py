@@ -116,7 +116,7 @@ def _fail(message: str) -> None:
     raise typer.Exit(code=2)
 
 
-def check_output(path: Path | str, what: str, *, folder: bool) -> None:
+def check_output(path: Path | str, what: str, *, folder: bool, example: str = "eval.json") -> None:
     """Refuse, before any work starts, an output path that cannot be written: a folder that is an existing file (or
     a file that is an existing folder), a parent that is a file, or a place without write permission (a read-only
     file system). Nothing is created.
@@ -130,7 +130,7 @@ def check_output(path: Path | str, what: str, *, folder: bool) -> None:
     if path.exists() and folder and not path.is_dir():
         raise ConfigError(f"{what} {path} is an existing file, not a folder; give a folder path")
     if path.is_dir() and not folder:
-        raise ConfigError(f"{what} {path} is a folder; give a file path, e.g. {path / 'eval.json'}")
+        raise ConfigError(f"{what} {path} is a folder; give a file path, e.g. {path / example}")
     place = path if folder and path.is_dir() else path.parent
     while not place.exists() and place != place.parent:  # the nearest part that exists: where the folders go
         place = place.parent
@@ -749,8 +749,25 @@ def bench(
     from .experiments.bench import plot_scaling, render, render_scaling, result_stem, run_bench, scaling as run_scaling
     from .runtime.model_zoo import ModelError
 
+    from .runtime.compiled import COMPILE_DECODE
+    from .runtime.model import resolve_dtype
+
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     try:
+        # every bad value and output path refused before minutes of measuring, not after them
+        if output is not None:
+            check_output(output, "--output", folder=False, example="bench.json")
+            if output.suffix in (".md", ".png"):
+                raise ValueError(f"--output {output}: the JSON goes there and the markdown (and --scaling's plot) "
+                                 f"beside it, as {output.with_suffix('.md').name} (.png); give a .json path, "
+                                 f"e.g. {output.with_suffix('.json')}")
+        if results_dir is not None:
+            check_output(results_dir, "--results-dir", folder=True)
+        resolve_dtype(dtype, device)
+        for flag, value, allowed in (("--gradient-checkpointing", gradient_checkpointing, ("auto", "on", "off")),
+                                     ("--compile-decode", compile_decode, COMPILE_DECODE)):
+            if value not in allowed:
+                raise ValueError(f"{flag} must be {', '.join(allowed[:-1])} or {allowed[-1]} (got {value!r})")
         check_model_source(model)
         if scaling:
             result = run_scaling(model=model, dtype=dtype, quick=quick, device=device,

@@ -224,7 +224,8 @@ _preset("cpu-small", Grid(
     note=("Sized so all five algorithms × 3 seeds × 2 tasks (30 cells) finish in well under 2.5 h on a 2-core CPU "
           "with the packaged SmolLM2-135M-Instruct: 2 rounds × 2 of 10 clients × 4 prompts per client-round, one "
           "revision, 2 local steps of batch 4 (GRPO / RLTF-SD: G = N = 4 on ARC, 2 on StrategyQA, as in the paper's "
-          "tables), 16 new tokens per attempt on ARC and 64 on StrategyQA (its default, 256, would take four times the tokens), "
+          "tables), 16 new tokens per attempt on ARC and 64 on StrategyQA (its default, 256, would take four times "
+          "the tokens), "
           "evaluation on a fixed 100-item test subset at rounds 0 and 2. Far below the paper's budget (100 rounds, "
           "50 clients): it compares the algorithms' cost and first steps, not their converged accuracy."),
 ))

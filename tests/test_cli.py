@@ -29,6 +29,10 @@ def _run(*args):
         (["--model", "no-such-model"], "unknown model 'no-such-model'"),
         (["--data-dir", "/nonexistent/data"], "data_dir: /nonexistent/data is not a directory"),
         (["--config", "/nonexistent/run.toml"], "config file /nonexistent/run.toml not found"),
+        (["-o", ""], "output_dir: empty; give a folder"),
+        (["--data-dir", " "], "data_dir: empty; give a folder"),
+        (["--model", "tiny-random", "--set", "last_layers=3"], "last_layers: 3 is out of range for tiny-random, "
+                                                              "which has 2 layers; it must be in 1..2"),
     ],
 )
 def test_bad_input_exits_2_with_a_named_field(args, fragment):
@@ -50,6 +54,20 @@ def test_malformed_data_record_names_file_and_line(tmp_path):
     result = _run("--data-dir", str(tmp_path / "data"), "-o", str(tmp_path / "run"))
     assert result.exit_code == 2, result.output
     assert "train.jsonl:3" in result.output and "answerKey" in result.output
+
+
+def test_a_folder_that_is_not_a_run_is_left_as_it_is(tmp_path):
+    """`-o` naming a folder with files but no config.toml (not a run directory) is refused before anything in it is
+    written or deleted (a run's start deletes its *.tmp leftovers)."""
+    folder = tmp_path / "mine"
+    (folder / "build.tmp").mkdir(parents=True)
+    (folder / "build.tmp" / "keep.txt").write_text("keep")
+    (folder / "notes.tmp").write_text("keep")
+    before = sorted(str(p.relative_to(folder)) for p in folder.rglob("*"))
+    result = _run("--model", "tiny-random", "-o", str(folder))
+    assert result.exit_code == 2, result.output
+    assert "no config.toml: not a fedspear run directory" in result.output
+    assert sorted(str(p.relative_to(folder)) for p in folder.rglob("*")) == before
 
 
 def test_too_many_clients_for_the_data():

@@ -99,8 +99,13 @@ def test_rounds_out_of_order_are_refused(tmp_path):
 
 def test_other_settings_are_refused(tmp_path):
     run = _run(tmp_path)
-    with pytest.raises(ConfigError, match="lambda_l: saved 0.1 vs now 0.0"):
+    with pytest.raises(ConfigError, match="lambda_l: saved 0.1 vs now 0.0") as refused:
         run.check_or_write_config(RunConfig(lambda_l=0.0).resolved())
+    assert "recorded no round" not in str(refused.value)  # three rounds would be lost
+    fresh = RunDir(tmp_path / "never-ran")  # a run that stopped before its first round: deleting it loses nothing
+    fresh.check_or_write_config(RunConfig().resolved())
+    with pytest.raises(ConfigError, match=r"it recorded no round, so deleting .*never-ran loses nothing"):
+        fresh.check_or_write_config(RunConfig(lambda_l=0.0).resolved())
     run.check_or_write_config(RunConfig(output_dir="elsewhere").resolved())  # where it lives may change
     # how it decodes may change too: a run whose compiled decode fails resumes with it off, as the error says
     run.check_or_write_config(RunConfig(compile_decode="off").resolved())

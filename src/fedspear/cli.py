@@ -204,6 +204,11 @@ def preflight(cfg: RunConfig) -> None:
     from .tasks import get_task
 
     check_output(cfg.output_dir, "output_dir", folder=True)
+    out = Path(cfg.output_dir)
+    if out.is_dir() and not (out / "config.toml").exists() and any(out.iterdir()):
+        # a run directory has its config.toml from its first start on: this folder is someone else's
+        raise ConfigError(f"output_dir {out} holds files but no config.toml: not a fedspear run directory; give a new "
+                          "or empty folder (nothing in it was changed)")
     resolve_device(cfg.device)
     task = get_task(cfg.task)
     if cfg.data_dir and not Path(cfg.data_dir).is_dir():
@@ -222,6 +227,13 @@ def preflight(cfg: RunConfig) -> None:
     # every client computes this split; an impossible one must stop the run here, not inside each client's round
     dirichlet_partitions(train[:n], cfg.num_clients, cfg.dirichlet_alpha, cfg.seed, cfg.partitioner)
     check_model_source(cfg.model)
+    if cfg.last_layers:  # refused here, not by the first client after a minute of loading
+        from .runtime.model import model_layers
+
+        layers = model_layers(cfg.model)
+        if layers is not None and cfg.last_layers > layers:
+            raise ConfigError(f"last_layers: {cfg.last_layers} is out of range for {cfg.model}, which has {layers} "
+                              f"layers; it must be in 1..{layers} (0: all)")
     if cfg.dp != "off" and cfg.dp_noise_multiplier > 0:  # z = 0 composes nothing: no accountant needed
         if importlib.util.find_spec("dp_accounting") is None:
             raise ConfigError(f'dp = "{cfg.dp}" reports ε with Flower\'s privacy accountant, which needs '

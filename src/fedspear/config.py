@@ -636,6 +636,7 @@ class RunConfig:
         default=None,
         metadata=_meta(
             "folder with full offline copies (laid out like src/fedspear/data; README: Data)",
+            path=True,
         ),
     )
     skip_bad_records: bool = field(
@@ -655,6 +656,7 @@ class RunConfig:
         default="runs/default",
         metadata=_meta(
             "run directory (re-running into it resumes)",
+            path=True,
         ),
     )
     tensorboard: bool = field(
@@ -816,6 +818,8 @@ def _check(f: dataclasses.Field, value: Any) -> None:
         raise ConfigError(f"{name}: expected a number, got {value!r}")
     if kind == "str" and not isinstance(value, str):
         raise ConfigError(f"{name}: expected a string, got {value!r}")
+    if meta.get("path") and isinstance(value, str) and not value.strip():
+        raise ConfigError(f"{name}: empty; give a folder")  # Path("") is the current folder
     if "choices" in meta and value not in meta["choices"]:
         raise ConfigError(f"{name}: {value!r} is not allowed; choose one of {', '.join(meta['choices'])}")
     if isinstance(value, (int, float)):

@@ -120,9 +120,11 @@ class RunDir:
                       if k not in RESUME_FREE_KEYS and saved.to_dict().get(k) != v]
             if differ:
                 details = ", ".join(f"{k}: saved {saved.to_dict()[k]!r} vs now {cfg.to_dict()[k]!r}" for k in differ)
+                unused = "" if self.records() or self.saved_rounds() else \
+                    f"; it recorded no round, so deleting {self.path} loses nothing"
                 raise ConfigError(
                     f"{self.path} holds a run with other settings ({details}); "
-                    "use another --output-dir or the saved settings to resume"
+                    f"use another --output-dir or the saved settings to resume{unused}"
                 )
             return
         _atomic_write(self.config_path, cfg.to_toml())

@@ -332,6 +332,23 @@ def autocast(dtype_used: str, device_type: str = "cpu"):
     return torch.autocast(device_type=device_type, dtype=torch.bfloat16, enabled=dtype_used == "bf16")
 
 
+TINY_LAYERS = 2  # decoder layers of the tiny test model
+
+
+def model_layers(model: str) -> int | None:
+    """Decoder layers of ``model`` (a packaged name, local folder, hub id or the tiny test model), read from its
+    ``config.json`` without loading the weights; None where that config cannot be read here (a hub id not in the
+    cache: loading the model reports why)."""
+    from transformers import AutoConfig
+
+    if model == TINY_MODEL:
+        return TINY_LAYERS
+    try:
+        return AutoConfig.from_pretrained(resolve_model_dir(model)).num_hidden_layers
+    except Exception:  # noqa: BLE001 - whatever keeps the config from being read here, the load reports it
+        return None
+
+
 def tiny_model(seed: int = 0):
     """A randomly initialised 2-layer Llama with the packaged tokenizer's vocabulary, for fast tests.
 
@@ -345,7 +362,7 @@ def tiny_model(seed: int = 0):
         vocab_size=len(tokenizer),
         hidden_size=64,
         intermediate_size=128,
-        num_hidden_layers=2,
+        num_hidden_layers=TINY_LAYERS,
         num_attention_heads=4,
         num_key_value_heads=2,
         max_position_embeddings=2048,

@@ -70,6 +70,17 @@ def test_a_folder_that_is_not_a_run_is_left_as_it_is(tmp_path):
     assert sorted(str(p.relative_to(folder)) for p in folder.rglob("*")) == before
 
 
+def test_certs_refuses_keys_only_without_a_node_and_a_file_for_its_folder(tmp_path):
+    """`fedspear certs --keys-only` with no --node made nothing and said nothing; a file given as the folder gave
+    "[Errno 17] File exists"."""
+    result = runner.invoke(app, ["certs", str(tmp_path / "c"), "--keys-only"])
+    assert result.exit_code == 2 and "name at least one --node" in result.output
+    (tmp_path / "afile.txt").write_text("keep")
+    result = runner.invoke(app, ["certs", str(tmp_path / "afile.txt")])
+    assert result.exit_code == 2 and "is an existing file, not a folder" in result.output
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["afile.txt"]
+
+
 def test_too_many_clients_for_the_data():
     result = _run("--train-size", "5", "--clients", "10")
     assert result.exit_code == 2

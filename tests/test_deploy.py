@@ -47,6 +47,30 @@ def test_server_certificate_chains_to_the_ca_and_names_the_hosts(tmp_path):
     assert make_server_certificates(tmp_path).server_cert.read_bytes() == before
 
 
+def test_existing_certificates_are_never_replaced_by_accident(tmp_path):
+    """Without --overwrite: a host the kept certificate lacks is refused (not a silent success), a missing file is
+    refused (new files would replace the CA every SuperNode holds), and nothing changes; a bad host or validity is
+    refused before anything is written."""
+    paths = make_server_certificates(tmp_path, hosts=["superlink.lan", "*.lab.example"])
+    before = {p.name: p.read_bytes() for p in tmp_path.iterdir()}
+    assert make_server_certificates(tmp_path, hosts=["superlink.lan"]) == paths  # already named: kept
+    with pytest.raises(ValueError, match="does not name other.org; kept as it is. --overwrite"):
+        make_server_certificates(tmp_path, hosts=["other.org"])
+    paths.server_key.unlink()
+    with pytest.raises(ValueError, match="holds ca.pem, ca.key, server.pem but not server.key"):
+        make_server_certificates(tmp_path)
+    assert {p.name: p.read_bytes() for p in tmp_path.iterdir()} == {k: v for k, v in before.items()
+                                                                    if k != "server.key"}
+    renewed = make_server_certificates(tmp_path, hosts=["other.org"], overwrite=True)
+    verify_server_certificate(renewed.ca_cert, renewed.server_cert, "other.org")
+    for hosts, days, message in ((["not a host!!"], 365, "neither an IP address nor a DNS name"),
+                                 (["-lead.example"], 365, "neither an IP address nor a DNS name"),
+                                 ([], 36500000, "reaches past the year 9999")):
+        with pytest.raises(ValueError, match=message):
+            make_server_certificates(tmp_path / "new", hosts=hosts, days=days)
+        assert not (tmp_path / "new").exists()
+
+
 def test_node_keys_are_what_flower_loads(tmp_path):
     """The private key loads the way ``flower-supernode --auth-supernode-private-key`` loads it (OpenSSH, EC), and
     ``flwr supernode register``'s own loader accepts the public key (EC on a NIST curve)."""

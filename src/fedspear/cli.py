@@ -853,7 +853,10 @@ def certs(
     """Make a deployment's TLS CA and SuperLink certificate, and SuperNode authentication keys (see README 'Deploy')."""
     from .fl.certs import make_node_keys, make_server_certificates
 
+    if keys_only and not node:
+        _fail("--keys-only makes only the --node key pairs: name at least one --node")
     try:
+        check_output(out_dir, "certs folder", folder=True)
         paths = None if keys_only else make_server_certificates(out_dir, host, days=days, overwrite=overwrite)
         keys = [make_node_keys(out_dir, name, overwrite=overwrite) for name in node]
     except (OSError, ValueError) as err:

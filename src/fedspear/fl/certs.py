@@ -24,6 +24,7 @@ from __future__ import annotations
 import datetime as dt
 import ipaddress
 import os
+import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterable
@@ -35,6 +36,10 @@ from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 
 DEFAULT_HOSTS = ("127.0.0.1", "localhost")
 CURVE = ec.SECP384R1  # what `ssh-keygen -t ecdsa -b 384` makes; Flower accepts NIST curves only
+# a DNS name (RFC 1123): dot-separated labels of letters, digits and inner hyphens, 1–63 characters each; a leading
+# "*." for a wildcard certificate
+LABEL = r"[A-Za-z0-9]([A-Za-z0-9-]{0,61}[A-Za-z0-9])?"
+DNS_NAME = re.compile(rf"(?=.{{1,253}}$)(\*\.)?{LABEL}(\.{LABEL})*\.?")
 
 
 @dataclass(frozen=True)
@@ -71,14 +76,27 @@ def _name(common_name: str) -> x509.Name:
 
 
 def _san(hosts: Iterable[str]) -> x509.SubjectAlternativeName:
-    """IP addresses as IP entries, anything else as a DNS name."""
+    """IP addresses as IP entries, anything else as a DNS name.
+
+    Raises:
+        ValueError: a host is neither an IP address nor a DNS name.
+    """
     entries: list[x509.GeneralName] = []
     for host in hosts:
         try:
             entries.append(x509.IPAddress(ipaddress.ip_address(host)))
         except ValueError:
+            if not DNS_NAME.fullmatch(host):
+                raise ValueError(f"host {host!r} is neither an IP address nor a DNS name") from None
             entries.append(x509.DNSName(host))
     return x509.SubjectAlternativeName(entries)
+
+
+def _names(certificate: Path) -> set[str]:
+    """The addresses (IPs and DNS names, as text) a PEM certificate's subject alternative names hold."""
+    cert = x509.load_pem_x509_certificate(certificate.read_bytes())
+    san = cert.extensions.get_extension_for_class(x509.SubjectAlternativeName).value
+    return {str(ip) for ip in san.get_values_for_type(x509.IPAddress)} | set(san.get_values_for_type(x509.DNSName))
 
 
 def make_server_certificates(out_dir: str | Path, hosts: Iterable[str] = DEFAULT_HOSTS, days: int = 365,
@@ -91,17 +109,33 @@ def make_server_certificates(out_dir: str | Path, hosts: Iterable[str] = DEFAULT
         overwrite: replace existing files; otherwise existing files are kept and returned (so re-running a setup
             does not invalidate certificates already copied to SuperNodes).
     Raises:
-        ValueError: ``days`` < 1 or no host given.
+        ValueError: ``days`` < 1 or past the year 9999; a host that is neither an IP address nor a DNS name; without
+            ``overwrite``: some of the four files exist and others are missing (new ones would replace the CA the
+            SuperNodes hold), or they all exist and the server certificate lacks a host asked for.
     """
     out = Path(out_dir)
     paths = ServerCertificates(out / "ca.pem", out / "ca.key", out / "server.pem", out / "server.key")
-    if not overwrite and all(p.is_file() for p in vars(paths).values()):
+    hosts = list(dict.fromkeys([*DEFAULT_HOSTS, *hosts]))
+    _san(hosts)  # every host checked before anything else
+    present = [p for p in vars(paths).values() if p.is_file()]
+    if not overwrite and len(present) == len(vars(paths)):
+        missing = [h for h in hosts if h not in _names(paths.server_cert)]
+        if missing:
+            raise ValueError(f"{paths.server_cert} exists and does not name {', '.join(missing)}; kept as it is. "
+                             "--overwrite makes a new CA and certificate (every SuperNode then needs the new ca.pem)")
         return paths
+    if not overwrite and present:
+        lost = [p.name for p in vars(paths).values() if p not in present]
+        raise ValueError(f"{out} holds {', '.join(p.name for p in present)} but not {', '.join(lost)}: new files would "
+                         "replace the CA every SuperNode holds; restore the missing ones, or pass --overwrite to make "
+                         "all four anew")
     if days < 1:
         raise ValueError(f"days must be at least 1 (got {days})")
-    hosts = list(dict.fromkeys([*DEFAULT_HOSTS, *hosts]))
     now = dt.datetime.now(dt.timezone.utc) - dt.timedelta(minutes=5)  # tolerate small clock skew between machines
-    until = now + dt.timedelta(days=days)
+    try:
+        until = now + dt.timedelta(days=days)
+    except OverflowError:
+        raise ValueError(f"days = {days} reaches past the year 9999") from None
 
     ca_key = ec.generate_private_key(CURVE())
     ca_name = _name("fedspear deployment CA")

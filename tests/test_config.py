@@ -58,6 +58,23 @@ def test_toml_errors_name_the_file(tmp_path):
         load_config(broken)
     with pytest.raises(ConfigError, match="not found"):
         load_config(tmp_path / "missing.toml")
+    with pytest.raises(ConfigError, match="is a folder; give a TOML file"):
+        load_config(tmp_path)
+    latin = tmp_path / "latin.toml"
+    latin.write_bytes(b'model = "caf\xe9"\n')
+    with pytest.raises(ConfigError, match=r"latin.toml: not UTF-8 text \(byte 12\)"):
+        load_config(latin)
+
+
+def test_a_fedspear_table_takes_every_key_or_none(tmp_path):
+    """Keys in a ``[fedspear]`` table are read; a key or table beside it, once silently ignored, is refused."""
+    table = tmp_path / "table.toml"
+    table.write_text("[fedspear]\nrounds = 2\n")
+    assert load_config(table).rounds == 2
+    for extra in ("roundz = 3\n[fedspear]\nrounds = 2\n", "[fedspear]\nrounds = 2\n[other]\nx = 1\n"):
+        table.write_text(extra)
+        with pytest.raises(ConfigError, match=r"table.toml: (roundz|other) outside the \[fedspear\] table"):
+            load_config(table)
 
 
 def test_lr_schedule_warmup_then_cosine():

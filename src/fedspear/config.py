@@ -836,12 +836,16 @@ def read_toml(path: Path, what: str) -> dict[str, Any]:
     """The TOML file at ``path`` as a dict.
 
     Raises:
-        ConfigError: the file is missing (named as ``what``) or is not valid TOML.
+        ConfigError: the file is missing or a folder (named as ``what``), is not UTF-8 text or is not valid TOML.
     """
+    if path.is_dir():
+        raise ConfigError(f"{what} {path} is a folder; give a TOML file")
     if not path.is_file():
         raise ConfigError(f"{what} {path} not found")
     try:
         return tomllib.loads(path.read_text(encoding="utf-8"))
+    except UnicodeDecodeError as err:
+        raise ConfigError(f"{path}: not UTF-8 text (byte {err.start}); TOML files are UTF-8") from None
     except tomllib.TOMLDecodeError as err:
         raise ConfigError(f"{path}: not valid TOML ({err})") from None
 
@@ -861,7 +865,12 @@ def load_config(path: str | Path | None = None, preset: str | None = None, **ove
     if path:
         path = Path(path)
         values = read_toml(path, "config file")
-        values = values.get("fedspear", values)
+        if isinstance(values.get("fedspear"), dict):  # the keys in a [fedspear] table: nothing may sit beside it
+            beside = sorted(set(values) - {"fedspear"})
+            if beside:
+                raise ConfigError(f"{path}: {', '.join(beside)} outside the [fedspear] table would be ignored; put "
+                                  "every key inside it, or drop the table header")
+            values = values["fedspear"]
         if set(values) - known:
             raise unknown_keys_error(sorted(set(values) - known), str(path))
     values.update({k: v for k, v in overrides.items() if v is not None})

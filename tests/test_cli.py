@@ -30,6 +30,7 @@ def _run(*args):
         (["--data-dir", "/nonexistent/data"], "data_dir: /nonexistent/data is not a directory"),
         (["--config", "/nonexistent/run.toml"], "config file /nonexistent/run.toml not found"),
         (["-o", ""], "output_dir: empty; give a folder"),
+        (["--rounds", "1", "--set", "rounds=3"], "--set rounds: also given by its own option (rounds = 1)"),
         (["--data-dir", " "], "data_dir: empty; give a folder"),
         (["--model", "tiny-random", "--set", "last_layers=3"], "last_layers: 3 is out of range for tiny-random, "
                                                               "which has 2 layers; it must be in 1..2"),

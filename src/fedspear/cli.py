@@ -14,7 +14,7 @@ import logging
 import sys
 import time
 from pathlib import Path
-from typing import Optional
+from typing import Any, Optional
 
 import typer
 
@@ -114,6 +114,20 @@ class LogsAboveBars:
 def _fail(message: str) -> None:
     typer.secho(f"error: {message}", fg="red", err=True)
     raise typer.Exit(code=2)
+
+
+def with_assignments(options: dict[str, Any], items: list[str]) -> dict[str, Any]:
+    """A command's own ``options`` (None where not given) with its ``--set key=value`` ``items`` added.
+
+    Raises:
+        ConfigError: an item has no ``=``, or sets a key one of the options also gives (one would win unseen).
+    """
+    assigned = parse_assignments(items)
+    clash = sorted(key for key in assigned if options.get(key) is not None)
+    if clash:
+        raise ConfigError(f"--set {clash[0]}: also given by its own option ({clash[0]} = {options[clash[0]]!r}); "
+                          "give it once")
+    return {**options, **assigned}
 
 
 def check_output(path: Path | str, what: str, *, folder: bool, example: str = "eval.json") -> None:
@@ -282,8 +296,7 @@ def run(
     logging.basicConfig(level=logging.INFO if verbose else logging.WARNING,
                         format="%(levelname)s %(name)s: %(message)s")
     try:
-        overrides.update(parse_assignments(set_))
-        cfg = load_config(config, preset=preset, **overrides)
+        cfg = load_config(config, preset=preset, **with_assignments(overrides, set_))
     except ConfigError as err:  # answered before torch is imported (the model code's errors below need it)
         _fail(str(err))
     from .runtime.model_zoo import ModelError
@@ -693,8 +706,7 @@ def eval_(
                                        eval_gen_size=eval_gen_size).items() if v is not None}
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     try:
-        overrides.update(parse_assignments(set_))
-        cfg, adapter, round_ = eval_target(target, round_, config, overrides)
+        cfg, adapter, round_ = eval_target(target, round_, config, with_assignments(overrides, set_))
         from .tasks import get_task
 
         splits = get_task(cfg.task).SPLITS

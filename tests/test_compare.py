@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import datetime
 import json
+import re
 import math
 import os
 import subprocess
@@ -55,6 +56,18 @@ def test_grid_file_errors(tmp_path):
     bad.write_text('tasks = ["arc_challenge"]\nrounds = 3\n')
     with pytest.raises(ConfigError, match="unknown grid key"):
         load_grid(bad)
+    # a wrong type is refused by the key's name (was read letter by letter, or failed with a traceback at the end)
+    for text, message in (('tasks = "arc_challenge"', "tasks must be a list of task names"),
+                          ('algorithms = "spear"', "algorithms must be a list of algorithm names"),
+                          ("seeds = [0.5]", "seeds must be a list of integers"),
+                          ("axes = [1]", "axes must be a table"), ("base = 5", "base must be a table"),
+                          ("note = 5", "note must be a string"),
+                          ("[per_task]\narc_challenge = 3", "per_task must be a table"),
+                          ("[base]\nroundz = 3", "grid base: unknown config key 'roundz' (did you mean 'rounds'?)")):
+        lines = text if text.startswith("tasks") else f'tasks = ["arc_challenge"]\n{text}'
+        bad.write_text(lines + "\n")
+        with pytest.raises(ConfigError, match=f"bad.toml: (grid: )?{re.escape(message)}"):
+            load_grid(bad)
 
 
 def test_presets_are_valid_and_cpu_small_has_the_issue_shape():

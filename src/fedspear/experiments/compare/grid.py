@@ -35,7 +35,7 @@ from typing import Any, Callable
 
 from ... import stops
 from ...algorithms import ALGORITHMS
-from ...config import ConfigError, RunConfig, load_config, parse_assignments, read_toml, snake_key
+from ...config import ConfigError, RunConfig, load_config, parse_assignments, read_toml, snake_key, unknown_keys_error
 from ...paper_settings import PRESETS as RUN_PRESETS
 from ...paper_settings import preset_settings
 from ...rundir import LEGACY_DEFAULTS, RunDir
@@ -85,6 +85,7 @@ class Grid:
     note: str = ""
 
     def __post_init__(self) -> None:
+        self._check_types()
         if not self.tasks:
             raise ConfigError("grid: tasks is empty")
         for name in self.algorithms:
@@ -98,6 +99,9 @@ class Grid:
             if not isinstance(values, list) or not values:
                 raise ConfigError(f"grid: axis {key} needs a non-empty list of values, got {values!r}")
         for where, values in [("base", self.base), *((f"per_task.{t}", v) for t, v in self.per_task.items())]:
+            unknown = sorted(set(values) - set(RunConfig.__dataclass_fields__))
+            if unknown:
+                raise unknown_keys_error(unknown, f"grid {where}")
             reserved = {"task", "algorithm", "seed", "output_dir"} & set(values)
             if reserved:
                 raise ConfigError(f"grid: {where} may not set {', '.join(sorted(reserved))} (the grid sets them per "
@@ -109,6 +113,28 @@ class Grid:
             raise ConfigError(f"grid: per_task names task(s) not in tasks: {', '.join(sorted(unknown))}")
         for cell in self.cells(Path("check")):  # every cell must be a valid run config
             cell.config
+
+    def _check_types(self) -> None:
+        """Each key's type, so a grid file's ``tasks = "arc_challenge"`` is refused by name, not read letter by letter.
+
+        Raises:
+            ConfigError: naming the key and the type it needs.
+        """
+        def is_list(value, kind) -> bool:
+            return isinstance(value, list) and all(isinstance(v, kind) and not isinstance(v, bool) for v in value)
+
+        for key, value, ok, wanted in (
+                ("tasks", self.tasks, is_list(self.tasks, str), "a list of task names"),
+                ("algorithms", self.algorithms, is_list(self.algorithms, str), "a list of algorithm names"),
+                ("seeds", self.seeds, is_list(self.seeds, int), "a list of integers"),
+                ("axes", self.axes, isinstance(self.axes, dict), "a table {key = [values]}"),
+                ("base", self.base, isinstance(self.base, dict), "a table of run settings"),
+                ("per_task", self.per_task, isinstance(self.per_task, dict)
+                 and all(isinstance(v, dict) for v in self.per_task.values()), "a table {task = {settings}}"),
+                ("settings", self.settings, isinstance(self.settings, str), "a string"),
+                ("note", self.note, isinstance(self.note, str), "a string")):
+            if not ok:
+                raise ConfigError(f"grid: {key} must be {wanted}, got {value!r}")
 
     def cells(self, root: Path) -> list["Cell"]:
         keys = list(self.axes)
@@ -302,7 +328,7 @@ def load_grid(path: Path) -> Grid:
         raise ConfigError(f"{path}: unknown grid key(s) {', '.join(sorted(unknown))}")
     try:
         return Grid(**data)
-    except TypeError as err:
+    except (TypeError, ConfigError) as err:
         raise ConfigError(f"{path}: {err}") from None
 
 

@@ -129,6 +129,22 @@ def test_a_key_being_written_is_never_read_half_written(tmp_path, monkeypatch):
     path.write_text("abc\n")
     with pytest.raises(ValueError, match="too short"):
         node_worker.load_key(path)
+    with pytest.raises(ValueError, match="is a folder; give a file path"):
+        node_worker.load_key(tmp_path, create=True)
+    with pytest.raises(ValueError, match="worker.key is a file, not a folder"):
+        node_worker.load_key(path / "k", create=True)
+
+
+@pytest.mark.parametrize(("address", "message"), [("127.0.0.1:99999", "the port must be in 1..65535"),
+                                                  ("127.0.0.1:0", "the port must be in 1..65535"),
+                                                  ("127.0.0.1", "must be host:port"),
+                                                  ("10.0.0.5:9301", "not on the loopback interface")])
+def test_worker_addresses_are_checked(address, message):
+    from fedspear.fl.node_worker import _split_address
+
+    with pytest.raises(ValueError, match=message):
+        _split_address(address)
+    assert _split_address("localhost:9301") == ("localhost", 9301)
 
 
 def test_node_settings_are_checked():

@@ -191,6 +191,8 @@ def _split_address(address: str) -> tuple[str, int]:
     host = host.strip("[]")
     if not sep or not port.isdigit():
         raise ValueError(f"worker address must be host:port (got {address!r})")
+    if not 0 < int(port) < 65536:
+        raise ValueError(f"worker address {address!r}: the port must be in 1..65535")
     loopback = host == "localhost"
     if not loopback:
         try:
@@ -207,9 +209,14 @@ def load_key(path: str | Path, create: bool = False) -> bytes:
 
     Raises:
         FileNotFoundError: the file is missing and ``create`` is off (names the file and who writes it).
-        ValueError: the file holds fewer than 32 characters.
+        ValueError: the path is a folder, or lies under a file; the file holds fewer than 32 characters.
     """
     path = Path(path)
+    if path.is_dir():
+        raise ValueError(f"node-worker key {path} is a folder; give a file path, e.g. {path / 'worker.key'}")
+    above = next((p for p in path.parents if p.exists()), None)
+    if above is not None and not above.is_dir():
+        raise ValueError(f"node-worker key {path}: {above} is a file, not a folder")
     if create and not path.exists():
         # Written whole under a temporary name, then linked in: a reader never sees an empty or half-written key
         # and an existing key is never replaced (link fails when the name exists).

@@ -58,8 +58,9 @@ def test_malformed_data_record_names_file_and_line(tmp_path):
 
 
 def test_a_folder_that_is_not_a_run_is_left_as_it_is(tmp_path):
-    """`-o` naming a folder with files but no config.toml (not a run directory) is refused before anything in it is
-    written or deleted (a run's start deletes its *.tmp leftovers)."""
+    """`-o` naming a folder without config.toml (not a run directory) that holds files a run's start would delete
+    (its *.tmp leftovers) or read as its own (metrics.jsonl, adapters/) is refused before anything in it is written or
+    deleted. (Other files may sit beside a run: `fedspear compare` puts cell.toml and log.txt there first.)"""
     folder = tmp_path / "mine"
     (folder / "build.tmp").mkdir(parents=True)
     (folder / "build.tmp" / "keep.txt").write_text("keep")
@@ -67,7 +68,7 @@ def test_a_folder_that_is_not_a_run_is_left_as_it_is(tmp_path):
     before = sorted(str(p.relative_to(folder)) for p in folder.rglob("*"))
     result = _run("--model", "tiny-random", "-o", str(folder))
     assert result.exit_code == 2, result.output
-    assert "no config.toml: not a fedspear run directory" in result.output
+    assert "holds build.tmp, notes.tmp but no config.toml: not a fedspear run directory" in result.output
     assert sorted(str(p.relative_to(folder)) for p in folder.rglob("*")) == before
 
 

@@ -219,10 +219,13 @@ def preflight(cfg: RunConfig) -> None:
 
     check_output(cfg.output_dir, "output_dir", folder=True)
     out = Path(cfg.output_dir)
-    if out.is_dir() and not (out / "config.toml").exists() and any(out.iterdir()):
-        # a run directory has its config.toml from its first start on: this folder is someone else's
-        raise ConfigError(f"output_dir {out} holds files but no config.toml: not a fedspear run directory; give a new "
-                          "or empty folder (nothing in it was changed)")
+    if out.is_dir() and not (out / "config.toml").exists():
+        # a run directory has its config.toml from its first start on; a folder without one may hold other files
+        # (compare's cell.toml and log.txt), but none a start would delete (*.tmp) or read as a run's own
+        theirs = sorted(p.name for p in out.iterdir() if p.suffix == ".tmp" or p.name in ("metrics.jsonl", "adapters"))
+        if theirs:
+            raise ConfigError(f"output_dir {out} holds {', '.join(theirs[:3])} but no config.toml: not a fedspear run "
+                              "directory; give a new or empty folder (nothing in it was changed)")
     resolve_device(cfg.device)
     task = get_task(cfg.task)
     if cfg.data_dir and not Path(cfg.data_dir).is_dir():

@@ -31,6 +31,7 @@ def _run(*args):
         (["--config", "/nonexistent/run.toml"], "config file /nonexistent/run.toml not found"),
         (["-o", ""], "output_dir: empty; give a folder"),
         (["--rounds", "1", "--set", "rounds=3"], "--set rounds: also given by its own option (rounds = 1)"),
+        (["--set", "round0_from=/nonexistent/run"], "round0_from /nonexistent/run: not a fedspear run directory"),
         (["--data-dir", " "], "data_dir: empty; give a folder"),
         (["--model", "tiny-random", "--set", "last_layers=3"], "last_layers: 3 is out of range for tiny-random, "
                                                               "which has 2 layers; it must be in 1..2"),

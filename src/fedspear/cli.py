@@ -226,6 +226,9 @@ def preflight(cfg: RunConfig) -> None:
         if theirs:
             raise ConfigError(f"output_dir {out} holds {', '.join(theirs[:3])} but no config.toml: not a fedspear run "
                               "directory; give a new or empty folder (nothing in it was changed)")
+    if cfg.round0_from and not (Path(cfg.round0_from) / "config.toml").is_file():
+        raise ConfigError(f"round0_from {cfg.round0_from}: not a fedspear run directory (no config.toml); give the "
+                          "run whose round-0 evaluation to reuse, or leave it unset")
     resolve_device(cfg.device)
     task = get_task(cfg.task)
     if cfg.data_dir and not Path(cfg.data_dir).is_dir():

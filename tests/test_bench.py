@@ -187,8 +187,10 @@ def test_the_commit_named_is_fedspears_own(tmp_path):
     outside = tmp_path / "plain" / "src" / "fedspear"
     outside.mkdir(parents=True)
     assert source_commit(outside) == UNKNOWN_COMMIT
-    assert source_commit(Path(__file__).resolve().parents[1] / "src" / "fedspear") != UNKNOWN_COMMIT or \
-        not (Path(__file__).resolve().parents[1] / ".git").exists()
+    repo = Path(__file__).resolve().parents[1]
+    if not (repo / ".git").exists():
+        pytest.skip("this copy of the project is not a git checkout: no commit of its own to name")
+    assert source_commit(repo / "src" / "fedspear") != UNKNOWN_COMMIT
 
 
 @pytest.mark.skipif(not Path("/proc/self/clear_refs").exists(), reason="needs Linux's /proc/self/clear_refs")

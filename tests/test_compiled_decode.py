@@ -283,8 +283,8 @@ def test_with_the_guards_kept_every_call_checks_them_all(counting, monkeypatch, 
 
 def test_client_rounds_with_training_between_compile_once(counting, monkeypatch, arc_items):
     """(b) Two SPEAR client-rounds of a worker (``compile_decode = "on"``): round 1 answers, trains (the optimiser
-    writes the adapter in place) and returns its adapter; round 2 starts from it. Round 2 compiles nothing; its
-    answers are eager's for the adapter it starts from."""
+    writes the adapter in place) and returns its adapter; round 2 starts from it. Round 2 compiles nothing, and the
+    trained adapter's greedy answers through the compiled step are the eager ones."""
     from helpers import Alternate, make_worker, nonzero_start
 
     monkeypatch.setattr(compiled, "BACKEND", counting)
@@ -298,6 +298,16 @@ def test_client_rounds_with_training_between_compile_once(counting, monkeypatch,
     compiles, calls = counting.compiles, counting.calls
     worker.round(worker.loaded, after_first, partition, 0, 2, 1e-1, feedback_source=Alternate())
     assert counting.compiles == compiles and counting.calls > calls
+    # the trained adapter, decoded greedily through the compiled step and eagerly: the same answers
+    from fedspear.runtime.model import set_adapter
+
+    contexts = _contexts(worker.tokenizer, arc_items)
+    set_adapter(worker.model, after_first)
+    calls = counting.calls
+    compiled_answers = _answers(worker.model, worker.tokenizer, contexts, "fp32")
+    assert counting.calls > calls and any(len(a) > 1 for a in compiled_answers)  # through the compiled step
+    use_compiled_decode(worker.model, "off")
+    assert _answers(worker.model, worker.tokenizer, contexts, "fp32") == compiled_answers
 
 
 def test_batch_sizes_of_one_bucket_share_a_graph(counting, arc_items):

@@ -48,7 +48,6 @@ def test_a_paper_preset_round_on_a_random_model_of_an_exports_shape(tmp_path):
     """The Qwen step's path with SmolLM2's export standing in for Qwen's (same files: config.json + tokenizer): a
     random model of its shape shrunk to 2 layers, one client-round at ``--preset paper`` (StrategyQA, 4 prompts,
     8 new tokens) with feedback alternating right / wrong, so it trains; its JSON names the preset's settings."""
-    from fedspear.config import RunConfig
     from fedspear.runtime.model_zoo import resolve_model_dir
 
     model = tmp_path / "random"
@@ -88,10 +87,11 @@ def test_a_paper_preset_round_on_a_random_model_of_an_exports_shape(tmp_path):
                   "--out", str(late), env=cache)
     assert proc.returncode == 1 and "no round finished by all 2 clients" in proc.stdout
     assert _processes_naming(late.with_suffix(".d")) == [] and not late.exists()
-    if "compile_decode" not in RunConfig.__dataclass_fields__:  # before the compiled decode: skipped, not failed
-        skipped = _steps("round", "--model", str(model), "--rounds", "1", "--small", "--set", "compile_decode=on",
-                         "--out", str(tmp_path / "c.json"), env=cache)
-        assert skipped.returncode == 3 and "skipped: unknown config key(s) compile_decode" in skipped.stdout
+    # a key this fedspear lacks (as compile_decode once was): the step is skipped, saying so, not failed
+    skipped = _steps("round", "--model", str(model), "--rounds", "1", "--small", "--set", "no_such_key=on",
+                     "--out", str(tmp_path / "c.json"), env=cache)
+    assert skipped.returncode == 3 and "skipped:" in skipped.stdout and "no_such_key" in skipped.stdout
+    assert not (tmp_path / "c.json").exists()
 
 
 def _processes_naming(path: Path) -> list[str]:
@@ -119,10 +119,17 @@ def test_the_barrier_waits_for_every_party_and_says_which_round_it_gave_up_on(tm
 
 
 def test_flwr_is_left_as_it_is_and_a_missing_wheel_is_a_skip(tmp_path):
-    """Where Flower imports, nothing is installed; the wheel folder is looked at only when it does not."""
-    proc = _steps("flwr-install", "--wheels", str(tmp_path))
+    """Where Flower imports, nothing is installed; where it does not (hidden here: ``sys.modules["flwr"] = None``
+    makes ``find_spec`` answer None), a wheel folder without its wheel makes the step a skip (exit 3), saying why."""
     pytest.importorskip("flwr")
+    proc = _steps("flwr-install", "--wheels", str(tmp_path))
     assert proc.returncode == 0 and "already installed" in proc.stdout
+    hidden = ("import runpy, sys; sys.modules['flwr'] = None; sys.argv = sys.argv[1:]; "
+              "runpy.run_path(sys.argv[0], run_name='__main__')")
+    proc = subprocess.run([sys.executable, "-c", hidden, str(STEPS), "flwr-install", "--wheels", str(tmp_path)],
+                          capture_output=True, text=True, env=_env(), timeout=120)
+    assert proc.returncode == 3, proc.stdout + proc.stderr
+    assert f"skipped: flwr is not installed and {tmp_path} holds no flwr wheel" in proc.stdout
 
 
 def test_summary_gathers_every_step(tmp_path):

@@ -3,9 +3,10 @@ with probability q, seeded and consistent; selectable in runs and compare grids.
 
 from __future__ import annotations
 
+import dataclasses
+
 import math
 
-import numpy as np
 import pytest
 
 from fedspear.experiments.compare.grid import Grid
@@ -108,16 +109,19 @@ def test_config_keys_are_validated_and_are_compare_axes(tmp_path):
 
 
 def test_a_client_round_reports_the_users_mistakes():
-    """Worker.round with p = 1 flips every verdict (tiny model, 3 prompts, N = 1): each attempt was judged once, so
-    user_flips = generations, and every wrong-called answer got a hint."""
+    """Worker.round (tiny model, N = 1): with p = 1 every verdict flips, so user_flips = generations (each attempt
+    judged once); with p = 0.5 and q = 1 some answers are called wrong and revised, and every hint given is an
+    irrelevant one, so user_irrelevant_hints = revisions_attempted > 0."""
     from fedspear.worker import Worker
     from fedspear.runtime.model import get_adapter
 
-    cfg = RunConfig(model="tiny-random", num_clients=2, clients_per_round=1, rollouts_per_round=3, local_steps=1,
+    cfg = RunConfig(model="tiny-random", num_clients=2, clients_per_round=1, rollouts_per_round=8, local_steps=1,
                     batch_size=2, max_new_tokens=4, lora_r=4, lora_alpha=8, lora_dropout=0.0, train_size=40,
                     max_revisions=1, user_flip_prob=1.0)
     worker = Worker.load(cfg)
     _, metrics = worker.round(cfg, get_adapter(worker.model), list(range(20)), 0, 1, lr=1e-3)
     assert metrics["user_flips"] == metrics["generations"] > 0
-    assert metrics["user_irrelevant_hints"] <= metrics["revisions_attempted"]
-    assert np.isfinite(metrics["weight"])
+    cfg = dataclasses.replace(cfg, user_flip_prob=0.5, user_irrelevant_prob=1.0)
+    _, metrics = worker.round(cfg, get_adapter(worker.model), list(range(20)), 0, 1, lr=1e-3)
+    assert 0 < metrics["user_flips"] < metrics["generations"]
+    assert metrics["user_irrelevant_hints"] == metrics["revisions_attempted"] > 0

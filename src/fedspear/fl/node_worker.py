@@ -191,8 +191,8 @@ def _split_address(address: str) -> tuple[str, int]:
     host = host.strip("[]")
     if not sep or not port.isdigit():
         raise ValueError(f"worker address must be host:port (got {address!r})")
-    if not 0 < int(port) < 65536:
-        raise ValueError(f"worker address {address!r}: the port must be in 1..65535")
+    if int(port) > 65535:
+        raise ValueError(f"worker address {address!r}: the port must be in 0..65535 (0: any free one)")
     loopback = host == "localhost"
     if not loopback:
         try:

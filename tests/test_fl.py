@@ -257,3 +257,43 @@ def test_round0_is_reused_only_from_a_run_whose_start_is_known_to_be_the_identit
     assert borrow(bad_start) is None
     (copied.path / "config.toml").unlink()  # no settings to compare with
     assert not copied.serves_round0() and borrow(copied) is None
+
+
+def test_partition_discovery_leaves_out_replies_it_cannot_read(caplog):
+    """One node's malformed answer to the partition query (no metric record, a non-integer id) leaves that node out
+    with a warning instead of ending the server; a node without a partition (-1) is left out quietly."""
+    from types import SimpleNamespace
+
+    from flwr.app import MetricRecord
+
+    from fedspear.fl.server_app import discover_partitions
+
+    def reply(node, *records, error=False):
+        return SimpleNamespace(has_error=lambda: error, metadata=SimpleNamespace(src_node_id=node),
+                               content=SimpleNamespace(metric_records={f"m{i}": r for i, r in enumerate(records)}))
+
+    replies = [reply(1, MetricRecord({"partition-id": 0})), reply(2), reply(3, MetricRecord({"partition-id": 1.5})),
+               reply(4, MetricRecord({"partition-id": 2})), reply(5, error=True),
+               reply(6, MetricRecord({"partition-id": -1}))]
+    grid = SimpleNamespace(get_node_ids=lambda: [1, 2, 3, 4, 5, 6], send_and_receive=lambda messages, timeout: replies)
+    with caplog.at_level("WARNING", logger="fedspear"):
+        assert discover_partitions(grid, 6, timeout=1) == {1: 0, 4: 2}
+    assert [r.getMessage() for r in caplog.records] == [
+        f"node {n} answered the partition query without an integer partition-id; left out" for n in (2, 3)]
+
+
+@pytest.mark.parametrize(("code", "dropped"), [
+    ("CLIENT_APP_RAISED_EXCEPTION", False), ("MOD_FAILED_PRECONDITION", False), ("LOAD_CLIENT_APP_EXCEPTION", False),
+    ("NODE_UNAVAILABLE", True), ("CLIENT_APP_CRASHED", True)])
+def test_an_error_raised_by_the_client_or_its_mods_is_not_a_drop_out(code, dropped):
+    """Error replies from the client's own code, its mods' included (a DP clipping mod's failed precondition), are
+    rejected as errors, which max_empty_rounds never tolerates; the node's absence or a crash counts as a drop-out."""
+    from types import SimpleNamespace
+
+    from flwr.common.constant import ErrorCode
+
+    strategy = WinWeightedFedAvg(clients_per_round=1, min_available_nodes=1)
+    msg = SimpleNamespace(has_error=lambda: True, error=SimpleNamespace(code=getattr(ErrorCode, code), reason="why"),
+                          metadata=SimpleNamespace(src_node_id=7))
+    accepted, rejected, drops = strategy._check_replies([msg], None)
+    assert accepted == [] and rejected == {7: "client error: why"} and drops == ({7} if dropped else set())

@@ -229,10 +229,26 @@ def test_client_side_checks_refuse_before_masking():
     (dict(dp="server", dp_delta=1e-5), "is not supported"),
     (dict(num_clients=2000, clients_per_round=1024), r"below Flower's modulus 2\^32"),
     (dict(update_encoding="int8"), "quantises the masked update itself"),
+    # t = max(2, round(0.55 · 4)) = 2 = m/2: not above it, whatever the fraction says
+    (dict(num_clients=8, clients_per_round=4, secagg_threshold=0.55), "gives the reconstruction threshold t = 2, "
+                                                                      "not above m/2.*at least 0.75"),
 ])
 def test_settings_secaggplus_cannot_serve_are_refused(kw, words):
     with pytest.raises(ConfigError, match=words):
         _cfg(**kw)
+
+
+def test_every_accepted_threshold_is_above_half_the_clients():
+    """For every client count and threshold the config accepts, Flower's t (``threshold``) exceeds m/2."""
+    from fedspear.fl.secagg import threshold
+
+    for m in range(3, 40):
+        for share in [0.51 + i / 100 for i in range(50)]:
+            try:
+                cfg = _cfg(num_clients=max(m, 10), clients_per_round=m, secagg_threshold=share)
+            except ConfigError:
+                continue
+            assert 2 * threshold(cfg, m) > m, (m, share)
 
 
 @pytest.mark.slow

@@ -540,8 +540,9 @@ class RunConfig:
     secure_aggregation: str = field(
         default="off",
         metadata=_meta(
-            "off, or secaggplus: the server only ever sees the masked sum of the clients' updates, never one "
-            "client's adapter (Flower's SecAggPlusWorkflow + secaggplus_mod; needs clients_per_round ≥ 3; "
+            "off, or secaggplus: the server only ever sees the masked sum of the clients' updates, not one client's "
+            "adapter — unless that client is the only one of the round with wins, whose win-weighted mean is then "
+            "its update (Flower's SecAggPlusWorkflow + secaggplus_mod; needs clients_per_round ≥ 3; "
             "fedspear.fl.secagg)",
             choices=["off", "secaggplus"],
         ),
@@ -550,8 +551,9 @@ class RunConfig:
         default=0.67,
         metadata=_meta(
             "SecAgg+ reconstruction threshold as a share of the m sampled clients: t = max(2, round(value·m)) must "
-            "stay to the end of a round (m − t may drop out); above 1/2 so that a server following the protocol "
-            "learns no single update, above 2/3 against one that lies about who dropped (Bonawitz et al. 2017)",
+            "stay to the end of a round (m − t may drop out); t must exceed m/2 (checked for m = clients_per_round) "
+            "so that a server following the protocol learns no single update, and t > 2m/3 against one that lies "
+            "about who dropped (Bonawitz et al. 2017; e.g. 1.0 for m = 3)",
             gt=0.5,
             max=1,
         ),
@@ -794,6 +796,13 @@ def _check_secagg(cfg: RunConfig) -> None:
         raise ConfigError(f"{key} with update_encoding = {cfg.update_encoding!r}: SecAgg+ quantises the masked "
                           "update itself (secagg_quantization_range), so a client cannot encode it as well; use "
                           "update_encoding = \"fp32\"")
+    m = cfg.clients_per_round
+    t = max(round(cfg.secagg_threshold * m), 2)  # fedspear.fl.secagg.threshold: Flower's own rounding
+    if 2 * t <= m:
+        raise ConfigError(f"secagg_threshold = {cfg.secagg_threshold:g} with clients_per_round = {m} gives the "
+                          f"reconstruction threshold t = {t}, not above m/2: a server could collect t shares of both "
+                          f"secrets of a client and unmask its update; raise secagg_threshold to at least "
+                          f"{(m // 2 + 1) / m:.2f}")
     if cfg.clients_per_round * cfg.secagg_quantization_range >= 2**32:
         raise ConfigError(f"secagg_quantization_range = {cfg.secagg_quantization_range} with clients_per_round = "
                           f"{cfg.clients_per_round}: the masked sum of up to clients_per_round·Q must stay below "

@@ -1,5 +1,7 @@
 """Secure aggregation for fedspear rounds: Flower's SecAgg+ (``secure_aggregation = "secaggplus"``), so that the
-server only ever learns the win-weighted mean of the sampled clients' updates, never one client's adapter.
+server only ever learns the win-weighted mean of the sampled clients' updates, not one client's adapter. One
+exception: when a single client of the round has wins (a nonzero weight), the win-weighted mean *is* its update, and
+the weights travel in the clear (below), so the server knows whose it is.
 
 Flower 1.41 and 1.42 have secure aggregation on their *legacy* strategy API only (no Message-API workflow;
 flwrlabs/flower#4615 is open), so this module runs fedspear's rounds through Flower's own legacy pieces, and no
@@ -52,10 +54,11 @@ keeps θ^(t), the zero-win guard of SPEC §4, decided from the weights, which tr
 their pairwise masks from the shares of the others. A round needs t = max(2, round(``secagg_threshold``·m)) of the m
 sampled clients (every client is every other's neighbour: ``num_shares`` = all sampled clients) to the end. Each
 client's two secrets (its mask seed and its key) are shared t-of-m and the server asks for one or the other,
-never both, per client; ``config.py`` requires ``secagg_threshold`` > 1/2 so that a server that follows the
-protocol cannot collect t shares of both; against a server that lies about who dropped, Bonawitz et al. (2017,
-"Practical secure aggregation", CCS) need t > 2m/3, so raise ``secagg_threshold`` above 2/3 when that is the
-threat. A client that raises (its own checks
+never both, per client; ``config.py`` requires t > m/2 (t itself, after Flower's rounding, for m =
+``clients_per_round``) so that a server that follows the protocol cannot collect t shares of both; against a server
+that lies about who dropped, Bonawitz et al. (2017, "Practical secure aggregation", CCS) need t > 2m/3, so raise
+``secagg_threshold`` until t exceeds 2m/3 when that is the threat (the default 0.67 gives t = 2 for m = 3, not above
+2m/3: 1.0 does). A client that raises (its own checks
 included) or does not answer within ``round_timeout`` at any stage is dropped from that stage on and recorded with
 the stage; if fewer than t remain, Flower halts the round, no aggregate exists, and the round is an empty round
 with every client's reason naming the stage, the survivors and t (``fedspear.fl.server_app.empty_round_error``:

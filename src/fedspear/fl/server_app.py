@@ -180,7 +180,8 @@ def add_wire_bytes(record: dict, to_client: dict[int, int], from_client: dict[in
 def discover_partitions(grid: Grid, expected: int, timeout: float = 120.0) -> dict[int, int]:
     """Ask every connected node for its partition id (one query message each) → {node id: partition id}.
 
-    Nodes that do not answer within ``timeout`` seconds are simply left out (they sort last when sampling).
+    Nodes that do not answer within ``timeout`` seconds are simply left out (they sort last when sampling), and so
+    are replies without one metric record holding an integer ``partition-id`` (logged: not a fedspear ClientApp).
     """
     deadline = time.monotonic() + timeout
     while len(list(grid.get_node_ids())) < expected and time.monotonic() < deadline:
@@ -189,10 +190,16 @@ def discover_partitions(grid: Grid, expected: int, timeout: float = 120.0) -> di
                         dst_node_id=node) for node in grid.get_node_ids()]
     mapping = {}
     for reply in grid.send_and_receive(messages, timeout=timeout):
-        if not reply.has_error():
-            pid = int(next(iter(reply.content.metric_records.values()))["partition-id"])
-            if pid >= 0:
-                mapping[reply.metadata.src_node_id] = pid
+        if reply.has_error():
+            continue
+        records = list(reply.content.metric_records.values())
+        pid = records[0].get("partition-id") if len(records) == 1 else None
+        if not isinstance(pid, int) or isinstance(pid, bool):
+            log.warning("node %s answered the partition query without an integer partition-id; left out",
+                        reply.metadata.src_node_id)
+            continue
+        if pid >= 0:
+            mapping[reply.metadata.src_node_id] = pid
     return mapping
 
 

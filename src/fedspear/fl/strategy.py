@@ -49,9 +49,11 @@ from .records import LAYOUT_KEY, decode_update, encoding_of, from_record, to_rec
 RULES = ("fedavg", "median", "trimmed_mean")
 
 WEIGHT_KEY = "weight"
-# Error replies raised by the client's own code. Every other error code (node or message unavailable, the ClientApp
-# process crashed, unknown) means the node dropped out: a deployment may tolerate that (``max_empty_rounds``).
-CLIENT_ERRORS = (ErrorCode.LOAD_CLIENT_APP_EXCEPTION, ErrorCode.CLIENT_APP_RAISED_EXCEPTION)
+# Error replies raised by the client's own code, its mods' included (a DP clipping mod's failed precondition). Every
+# other error code (node or message unavailable, the ClientApp process crashed, unknown) means the node dropped out:
+# a deployment may tolerate that (``max_empty_rounds``).
+CLIENT_ERRORS = (ErrorCode.LOAD_CLIENT_APP_EXCEPTION, ErrorCode.CLIENT_APP_RAISED_EXCEPTION,
+                 ErrorCode.MOD_FAILED_PRECONDITION)
 log = logging.getLogger("fedspear")
 
 

@@ -186,6 +186,19 @@ def test_warning_fires_on_a_constructed_collapse_and_not_on_a_healthy_run():
     assert lines[0].startswith("round 4: wins 3") and lines[1].startswith("WARNING (learning health): round 4")
 
 
+def test_a_run_whose_adapter_never_changed_says_so():
+    """No round after 0 aggregated (zero wins everywhere, or empty rounds): one warning, at the top of report.md's
+    warnings; a single round that aggregated, or a run that has only round 0, gives none."""
+    from fedspear.report import _health_warning_lines, unchanged_adapter_warning
+
+    kept = [{"round": 0}, {"round": 1, "aggregated": False}, {"round": 2, "aggregated": False, "empty": True}]
+    warning = unchanged_adapter_warning(kept)
+    assert warning.startswith("no round of this run changed the global adapter (rounds 1–2:")
+    assert _health_warning_lines(kept) == [f"- **WARNING: {warning}**"]
+    assert unchanged_adapter_warning([*kept, {"round": 3, "aggregated": True}]) is None
+    assert unchanged_adapter_warning([{"round": 0}]) is None and unchanged_adapter_warning([]) is None
+
+
 def test_answer_files_roundtrip_and_overwrite(tmp_path):
     """Files are gzip JSON Lines, written whole; writing a round again replaces it (a redone round after a resume
     neither duplicates nor loses records); the same records give the same bytes."""

@@ -380,7 +380,7 @@ def _run(cfg: RunConfig, verbose: bool) -> None:
     from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
     from .fl.partition import PartitionError
-    from .report import accuracy_text, round_text
+    from .report import accuracy_text, round_text, unchanged_adapter_warning
     from .runtime.model_zoo import ModelError
     from .runtime.model import resolve_device, resolve_dtype
     from .rundir import EmptyRoundError, RunDir, RunDirError
@@ -436,6 +436,9 @@ def _run(cfg: RunConfig, verbose: bool) -> None:
     last = next(r for r in reversed(records) if r.get("eval"))
     print(f"round-0 accuracy: {accuracy_text(first)}")
     print(f"final accuracy (round {last['round']}): {accuracy_text(last['eval'])}")
+    unchanged = unchanged_adapter_warning(records)
+    if unchanged:
+        typer.secho(f"warning: {unchanged}", fg="yellow", err=True)
     print(f"report: {Path(cfg.output_dir) / 'report.md'}  ({time.perf_counter() - start:.0f} s this invocation)")
 
 

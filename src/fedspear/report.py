@@ -44,9 +44,22 @@ def _label_prior(first: dict | None, last: dict | None) -> str:
             f"{_fmt(((last or {}).get('eval') or {}).get('parsed_gen'), 2)}).")
 
 
+def unchanged_adapter_warning(records: Sequence[dict]) -> str | None:
+    """The warning for a run none of whose rounds (1 and later) changed the global adapter — every round empty, or
+    no accepted client with a win (the zero-win guard kept θ) — so that every evaluation measures the starting
+    adapter; None when some round aggregated, or before round 1."""
+    rounds = [r for r in records if r.get("round", 0) > 0]
+    if not rounds or any(r.get("aggregated") for r in rounds):
+        return None
+    return (f"no round of this run changed the global adapter (rounds 1–{rounds[-1]['round']}: no accepted client "
+            "had a win, or no reply was accepted): every evaluation measures the starting adapter")
+
+
 def _health_warning_lines(records: Sequence[dict]) -> list[str]:
     """The learning-health warnings of the run's rounds (``fedspear.health``), bold, one bullet each; [] when none."""
-    return [f"- **WARNING (learning health): {w}**" for r in records for w in r.get("health_warnings") or []]
+    unchanged = unchanged_adapter_warning(records)
+    return ([f"- **WARNING: {unchanged}**"] if unchanged else []) + \
+        [f"- **WARNING (learning health): {w}**" for r in records for w in r.get("health_warnings") or []]
 
 
 def _health_section(records: Sequence[dict]) -> list[str]:

@@ -39,7 +39,7 @@ from fedspear.fl.privacy import STATE_FILE, PrivateRounds, reply_norm_bound
 from fedspear.fl.records import ENCODING_KEY, LAYOUT_KEY, from_record, layout_of, to_record, wire_bytes
 from fedspear.fl.secagg import SecureRounds
 from fedspear.fl.strategy import WinWeightedFedAvg
-from fedspear.report import accuracy_text, round_text, write_report
+from fedspear.report import accuracy_text, round_text, unchanged_adapter_warning, write_report
 from fedspear.rundir import EmptyRoundError, RunDir, RunDirError, initial_accuracy
 from fedspear.server.server_opt import arrays_to_state, state_to_arrays
 from fedspear.tensorboard import ScalarWriter
@@ -503,4 +503,7 @@ def main(grid: Grid, context: Context) -> None:
     last = next((r for r in reversed(records) if r.get("eval")), None)
     if last is not None and last["round"] > 0:
         print(f"final accuracy (round {last['round']}): {accuracy_text(last['eval'])}", flush=True)
+    unchanged = unchanged_adapter_warning(records)
+    if unchanged:
+        print(f"warning: {unchanged}", flush=True)
     print(f"report: {Path(cfg.output_dir) / 'report.md'}", flush=True)

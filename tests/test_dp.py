@@ -362,8 +362,9 @@ def test_reported_epsilon_equals_the_accountant_and_survives_a_resume(tmp_path):
 
 def test_a_noised_adapter_saved_but_not_recorded_stays_counted(tmp_path):
     """A kill between saving round 5's noised adapter and appending its record: the resume redoes round 5, so the
-    saved adapter's release must stay in the ledger (6 releases for 5 rounds afterwards). An orphan whose ledger
-    state is not exactly one release ahead is refused; without an orphan nothing changes."""
+    saved adapter's release must stay in the ledger (6 releases for 5 rounds afterwards); killed there twice, both
+    stay. An orphan whose ledger state is behind the resumed one is refused; one level with it (an empty round:
+    nothing released) or no orphan changes nothing."""
 
     cfg = _cfg(num_clients=10, clients_per_round=2, dp_noise_multiplier=0.8)
     ledger = PrivacyLedger(cfg)
@@ -379,10 +380,29 @@ def test_a_noised_adapter_saved_but_not_recorded_stays_counted(tmp_path):
     _resume_ledger(fresh, run, 5, {"round": 5, "dp_releases": 5})
     _count_unrecorded_release(fresh, run, 5)  # no round 6 saved: unchanged
     assert fresh.ledger.releases == 5
-    _, behind = _private(cfg)
-    _resume_ledger(behind, run, 3, {"round": 3, "dp_releases": 3})
-    with pytest.raises(RunDirError, match="without a matching privacy accountant state"):
-        _count_unrecorded_release(behind, run, 4)  # round 5's state is 2 ahead of round 3's
+    _, twice = _private(cfg)
+    _resume_ledger(twice, run, 3, {"round": 3, "dp_releases": 3})
+    _count_unrecorded_release(twice, run, 3)  # round 4's state, one ahead
+    assert twice.ledger.releases == 4
+    ledger.release()  # round 5 redone and saved again (6 releases), killed again before its record
+    run.save_adapter(5, THETA, None, json_state={STATE_FILE: ledger.state_dict()})
+    _, again = _private(cfg)
+    _resume_ledger(again, run, 4, {"round": 4, "dp_releases": 4})
+    _count_unrecorded_release(again, run, 4)
+    assert again.ledger.releases == 6 and again.ledger.epsilon == ledger.epsilon
+    for releases in (4, 3):  # round 5 saved with as many releases as round 4 (an empty round), or fewer
+        saved = PrivacyLedger(cfg)
+        for _ in range(releases):
+            saved.release()
+        run.save_adapter(5, THETA, None, json_state={STATE_FILE: saved.state_dict()})
+        _, resumed = _private(cfg)
+        _resume_ledger(resumed, run, 4, {"round": 4, "dp_releases": 4})
+        if releases == 4:
+            _count_unrecorded_release(resumed, run, 4)
+            assert resumed.ledger.releases == 4
+        else:
+            with pytest.raises(RunDirError, match="without a matching privacy accountant state"):
+                _count_unrecorded_release(resumed, run, 4)
 
 
 def test_a_resumed_adapter_is_packed_in_the_models_order(tmp_path):

@@ -290,19 +290,24 @@ def _count_unrecorded_release(private: PrivateRounds, run: RunDir, last: int) ->
     """Keep counting a noised adapter that was saved but never recorded (a kill between ``save_adapter`` and
     ``append``): it has left the process, so its release stays in the ledger, and the redone round adds another.
 
-    Its saved ledger state (taken after that release) replaces the resumed one when it holds exactly one release
-    more; ε in later records is then that of ``last + 2`` releases. Anything else is refused.
+    Its saved ledger state (taken after that release) replaces the resumed one when it holds more releases: one more
+    after one such kill (ε in later records is then that of ``last + 2`` releases), more after a redone round was
+    killed in the same place again, each of whose releases left the process. One that holds as many (a round with no
+    accepted reply releases nothing) changes nothing; one that holds fewer is refused.
 
     Raises:
-        RunDirError: the orphan adapter has no ledger state, or one that is not one release ahead.
+        RunDirError: the orphan adapter has no ledger state, or one with fewer releases than the resumed ledger.
     """
     if not (run.adapter_dir(last + 1) / "adapter_model.safetensors").exists():
         return
     state = run.load_json_state(last + 1, STATE_FILE)
     where = run.adapter_dir(last + 1) / STATE_FILE
-    if state is None or state.get("releases") != private.ledger.releases + 1:
+    releases = state.get("releases") if isinstance(state, dict) else None
+    if not isinstance(releases, int) or releases < private.ledger.releases:
         raise RunDirError(f"{where}: round {last + 1}'s noised adapter was saved without a matching privacy "
                           f"accountant state; cannot account for it")
+    if releases == private.ledger.releases:
+        return  # nothing released since the recorded round
     _load_ledger_state(private, state, where)
     log.warning("round %d's noised adapter was saved but not recorded (the run stopped in between): its release "
                 "stays counted; the redone round is a further one (ε = %.4g so far)", last + 1,

@@ -9,6 +9,7 @@ import pytest
 from typer.testing import CliRunner
 
 from fedspear.cli import app
+from fedspear.config import ConfigError
 from fedspear.tasks.common import PACKAGE_DATA_DIR
 
 runner = CliRunner()
@@ -30,7 +31,8 @@ def _run(*args):
         (["--data-dir", "/nonexistent/data"], "data_dir: /nonexistent/data is not a directory"),
         (["--config", "/nonexistent/run.toml"], "config file /nonexistent/run.toml not found"),
         (["-o", ""], "output_dir: empty; give a folder"),
-        (["--rounds", "1", "--set", "rounds=3"], "--set rounds: also given by its own option (rounds = 1)"),
+        (["--rounds", "1", "--set", "rounds=3"], "--set rounds: also given as --rounds 1; give it once"),
+        (["--clients", "4", "--set", "num_clients=5"], "--set num_clients: also given as --clients 4"),
         (["--set", "round0_from=/nonexistent/run"], "round0_from /nonexistent/run: not a fedspear run directory"),
         (["--data-dir", " "], "data_dir: empty; give a folder"),
         (["--model", "tiny-random", "--set", "last_layers=3"], "last_layers: 3 is out of range for tiny-random, "
@@ -82,6 +84,25 @@ def test_certs_refuses_keys_only_without_a_node_and_a_file_for_its_folder(tmp_pa
     result = runner.invoke(app, ["certs", str(tmp_path / "afile.txt")])
     assert result.exit_code == 2 and "is an existing file, not a folder" in result.output
     assert sorted(p.name for p in tmp_path.iterdir()) == ["afile.txt"]
+
+
+def test_a_first_start_killed_while_writing_its_config_starts_again(tmp_path):
+    """A folder holding only config.toml.tmp (a first start killed between writing and renaming it) is the run's own:
+    the next start proceeds (its leftover removed, config.toml written); and round0_from is checked only until
+    round 0 is recorded, so a resume does not depend on the lending run still being there."""
+    from fedspear.cli import preflight
+    from fedspear.config import RunConfig
+
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "config.toml.tmp").write_text("half")
+    preflight(RunConfig(model="tiny-random", output_dir=str(run)))
+    assert sorted(p.name for p in run.iterdir()) == ["config.toml"]
+    lent = RunConfig(model="tiny-random", output_dir=str(run), round0_from=str(tmp_path / "gone"))
+    with pytest.raises(ConfigError, match="round0_from .*gone: not a fedspear run directory"):
+        preflight(lent)
+    (run / "metrics.jsonl").write_text("")  # as if round 0 were recorded: the lender is no longer read
+    preflight(lent)
 
 
 def test_too_many_clients_for_the_data():

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import datetime
 import json
-import re
 import math
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path

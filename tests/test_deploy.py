@@ -51,9 +51,10 @@ def test_existing_certificates_are_never_replaced_by_accident(tmp_path):
     """Without --overwrite: a host the kept certificate lacks is refused (not a silent success), a missing file is
     refused (new files would replace the CA every SuperNode holds), and nothing changes; a bad host or validity is
     refused before anything is written."""
-    paths = make_server_certificates(tmp_path, hosts=["superlink.lan", "*.lab.example"])
+    paths = make_server_certificates(tmp_path, hosts=["superlink.lan", "*.lab.example", "0:0:0:0:0:0:0:2"])
     before = {p.name: p.read_bytes() for p in tmp_path.iterdir()}
     assert make_server_certificates(tmp_path, hosts=["superlink.lan"]) == paths  # already named: kept
+    assert make_server_certificates(tmp_path, hosts=["SuperLink.lan.", "::2", "0:0:0:0:0:0:0:2"]) == paths  # the same
     with pytest.raises(ValueError, match="does not name other.org; kept as it is. --overwrite"):
         make_server_certificates(tmp_path, hosts=["other.org"])
     paths.server_key.unlink()
@@ -65,6 +66,8 @@ def test_existing_certificates_are_never_replaced_by_accident(tmp_path):
     verify_server_certificate(renewed.ca_cert, renewed.server_cert, "other.org")
     for hosts, days, message in ((["not a host!!"], 365, "neither an IP address nor a DNS name"),
                                  (["-lead.example"], 365, "neither an IP address nor a DNS name"),
+                                 (["10.0.0.256"], 365, "neither an IP address nor a DNS name"),  # a mistyped IP
+                                 (["1.2.3"], 365, "neither an IP address nor a DNS name"),
                                  ([], 36500000, "reaches past the year 9999")):
         with pytest.raises(ValueError, match=message):
             make_server_certificates(tmp_path / "new", hosts=hosts, days=days)

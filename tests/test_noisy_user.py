@@ -4,7 +4,6 @@ with probability q, seeded and consistent; selectable in runs and compare grids.
 from __future__ import annotations
 
 import dataclasses
-
 import math
 
 import pytest

@@ -116,8 +116,11 @@ def _fail(message: str) -> None:
     raise typer.Exit(code=2)
 
 
+OPTION_OF = {"num_clients": "--clients"}  # run settings whose option is not --<key with dashes>
+
+
 def with_assignments(options: dict[str, Any], items: list[str]) -> dict[str, Any]:
-    """A command's own ``options`` (None where not given) with its ``--set key=value`` ``items`` added.
+    """A command's own ``options`` (config keys; None where not given) with its ``--set key=value`` ``items`` added.
 
     Raises:
         ConfigError: an item has no ``=``, or sets a key one of the options also gives (one would win unseen).
@@ -125,15 +128,17 @@ def with_assignments(options: dict[str, Any], items: list[str]) -> dict[str, Any
     assigned = parse_assignments(items)
     clash = sorted(key for key in assigned if options.get(key) is not None)
     if clash:
-        raise ConfigError(f"--set {clash[0]}: also given by its own option ({clash[0]} = {options[clash[0]]!r}); "
-                          "give it once")
+        key = clash[0]
+        flag = OPTION_OF.get(key, "--" + key.replace("_", "-"))
+        raise ConfigError(f"--set {key}: also given as {flag} {options[key]}; give it once")
     return {**options, **assigned}
 
 
 def check_output(path: Path | str, what: str, *, folder: bool, example: str = "eval.json") -> None:
     """Refuse, before any work starts, an output path that cannot be written: a folder that is an existing file (or
     a file that is an existing folder), a parent that is a file, or a place without write permission (a read-only
-    file system). Nothing is created.
+    file system). Nothing is created. ``example``: the file name the message suggests inside a folder given for a
+    file.
 
     Raises:
         ConfigError: naming ``what`` (the flag or key), the path and the fix.
@@ -222,11 +227,14 @@ def preflight(cfg: RunConfig) -> None:
     if out.is_dir() and not (out / "config.toml").exists():
         # a run directory has its config.toml from its first start on; a folder without one may hold other files
         # (compare's cell.toml and log.txt), but none a start would delete (*.tmp) or read as a run's own
-        theirs = sorted(p.name for p in out.iterdir() if p.suffix == ".tmp" or p.name in ("metrics.jsonl", "adapters"))
+        # (config.toml.tmp is a run's own: its first start was killed while writing config.toml)
+        theirs = sorted(p.name for p in out.iterdir() if (p.suffix == ".tmp" and p.name != "config.toml.tmp")
+                        or p.name in ("metrics.jsonl", "adapters"))
         if theirs:
             raise ConfigError(f"output_dir {out} holds {', '.join(theirs[:3])} but no config.toml: not a fedspear run "
                               "directory; give a new or empty folder (nothing in it was changed)")
-    if cfg.round0_from and not (Path(cfg.round0_from) / "config.toml").is_file():
+    lender = Path(cfg.round0_from or "")  # checked until round 0 is recorded: a resume no longer reads it
+    if cfg.round0_from and not (out / "metrics.jsonl").exists() and not (lender / "config.toml").is_file():
         raise ConfigError(f"round0_from {cfg.round0_from}: not a fedspear run directory (no config.toml); give the "
                           "run whose round-0 evaluation to reuse, or leave it unset")
     resolve_device(cfg.device)

@@ -56,7 +56,8 @@ def unchanged_adapter_warning(records: Sequence[dict]) -> str | None:
 
 
 def _health_warning_lines(records: Sequence[dict]) -> list[str]:
-    """The learning-health warnings of the run's rounds (``fedspear.health``), bold, one bullet each; [] when none."""
+    """The run's warnings, bold, one bullet each; [] when none: first ``unchanged_adapter_warning``'s, then the
+    learning-health warnings of its rounds (``fedspear.health``)."""
     unchanged = unchanged_adapter_warning(records)
     return ([f"- **WARNING: {unchanged}**"] if unchanged else []) + \
         [f"- **WARNING (learning health): {w}**" for r in records for w in r.get("health_warnings") or []]

@@ -36,10 +36,10 @@ from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 
 DEFAULT_HOSTS = ("127.0.0.1", "localhost")
 CURVE = ec.SECP384R1  # what `ssh-keygen -t ecdsa -b 384` makes; Flower accepts NIST curves only
-# a DNS name (RFC 1123): dot-separated labels of letters, digits and inner hyphens, 1–63 characters each; a leading
-# "*." for a wildcard certificate
+# a DNS name (RFC 1123): dot-separated labels of letters, digits and inner hyphens, 1–63 characters each, the last
+# not all digits (so a mistyped IP address such as 10.0.0.256 is no name); a leading "*." for a wildcard certificate
 LABEL = r"[A-Za-z0-9]([A-Za-z0-9-]{0,61}[A-Za-z0-9])?"
-DNS_NAME = re.compile(rf"(?=.{{1,253}}$)(\*\.)?{LABEL}(\.{LABEL})*\.?")
+DNS_NAME = re.compile(rf"(?=.{{1,253}}$)(?!(.*\.)?\d+\.?$)(\*\.)?{LABEL}(\.{LABEL})*\.?")
 
 
 @dataclass(frozen=True)
@@ -92,11 +92,21 @@ def _san(hosts: Iterable[str]) -> x509.SubjectAlternativeName:
     return x509.SubjectAlternativeName(entries)
 
 
+def _canonical(host: str) -> str:
+    """``host`` as certificates compare it: an IP address in its standard text form, a DNS name in lower case
+    without a trailing dot."""
+    try:
+        return str(ipaddress.ip_address(host))
+    except ValueError:
+        return host.lower().rstrip(".")
+
+
 def _names(certificate: Path) -> set[str]:
-    """The addresses (IPs and DNS names, as text) a PEM certificate's subject alternative names hold."""
+    """The addresses (IPs and DNS names, ``_canonical``) a PEM certificate's subject alternative names hold."""
     cert = x509.load_pem_x509_certificate(certificate.read_bytes())
     san = cert.extensions.get_extension_for_class(x509.SubjectAlternativeName).value
-    return {str(ip) for ip in san.get_values_for_type(x509.IPAddress)} | set(san.get_values_for_type(x509.DNSName))
+    return {_canonical(str(name)) for name in [*san.get_values_for_type(x509.IPAddress),
+                                                *san.get_values_for_type(x509.DNSName)]}
 
 
 def make_server_certificates(out_dir: str | Path, hosts: Iterable[str] = DEFAULT_HOSTS, days: int = 365,
@@ -119,7 +129,8 @@ def make_server_certificates(out_dir: str | Path, hosts: Iterable[str] = DEFAULT
     _san(hosts)  # every host checked before anything else
     present = [p for p in vars(paths).values() if p.is_file()]
     if not overwrite and len(present) == len(vars(paths)):
-        missing = [h for h in hosts if h not in _names(paths.server_cert)]
+        named = _names(paths.server_cert)
+        missing = [h for h in hosts if _canonical(h) not in named]
         if missing:
             raise ValueError(f"{paths.server_cert} exists and does not name {', '.join(missing)}; kept as it is. "
                              "--overwrite makes a new CA and certificate (every SuperNode then needs the new ca.pem)")

@@ -178,6 +178,9 @@ def generate(
     no merging (the compiled step reads the adapter's tensors where they are).
     Returns:
         One list of new token ids per context, cut after the first EOS (EOS kept).
+    Raises:
+        ValueError: ``first_columns`` names columns for another number of contexts than ``len(contexts)``.
+        RuntimeError: the compiled decode failed (names the setting that turns it off).
     """
     if first_columns is not None and len(first_columns) != len(contexts):
         raise ValueError(f"first_columns names columns for {len(first_columns)} contexts, not {len(contexts)}")

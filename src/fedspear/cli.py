@@ -223,18 +223,9 @@ def preflight(cfg: RunConfig) -> None:
     from .tasks import get_task
 
     check_output(cfg.output_dir, "output_dir", folder=True)
-    out = Path(cfg.output_dir)
-    if out.is_dir() and not (out / "config.toml").exists():
-        # a run directory has its config.toml from its first start on; a folder without one may hold other files
-        # (compare's cell.toml and log.txt), but none a start would delete (*.tmp) or read as a run's own
-        # (config.toml.tmp is a run's own: its first start was killed while writing config.toml)
-        theirs = sorted(p.name for p in out.iterdir() if (p.suffix == ".tmp" and p.name != "config.toml.tmp")
-                        or p.name in ("metrics.jsonl", "adapters"))
-        if theirs:
-            raise ConfigError(f"output_dir {out} holds {', '.join(theirs[:3])} but no config.toml: not a fedspear run "
-                              "directory; give a new or empty folder (nothing in it was changed)")
-    lender = Path(cfg.round0_from or "")  # checked until round 0 is recorded: a resume no longer reads it
-    if cfg.round0_from and not (out / "metrics.jsonl").exists() and not (lender / "config.toml").is_file():
+    run = RunDir(cfg.output_dir)
+    # round0_from is checked until round 0 is recorded: a resume no longer reads it
+    if cfg.round0_from and not run.metrics_path.exists() and not RunDir(cfg.round0_from).config_path.is_file():
         raise ConfigError(f"round0_from {cfg.round0_from}: not a fedspear run directory (no config.toml); give the "
                           "run whose round-0 evaluation to reuse, or leave it unset")
     resolve_device(cfg.device)
@@ -271,7 +262,6 @@ def preflight(cfg: RunConfig) -> None:
 
         if importlib.util.find_spec("tensorboard") is None:
             raise ConfigError(INSTALL_HINT)
-    run = RunDir(cfg.output_dir)
     run.check_or_write_config(cfg.resolved())
     run.verify()
 

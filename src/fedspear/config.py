@@ -774,6 +774,13 @@ def _check_dp(cfg: RunConfig) -> None:
             "publishes one whole client's update with probability δ would satisfy the guarantee; use e.g. 1e-5")
 
 
+def secagg_threshold_count(share: float, sampled: int) -> int:
+    """The SecAgg+ reconstruction threshold t for ``sampled`` clients and ``secagg_threshold = share``, as Flower's
+    ``SecAggPlusWorkflow.setup_stage`` computes it from a float ``reconstruction_threshold`` when every sampled
+    client holds a share (``num_shares`` = 1.0): max(2, round(share · sampled))."""
+    return max(round(share * sampled), 2)
+
+
 def _check_secagg(cfg: RunConfig) -> None:
     """Refuse settings that SecAgg+ cannot serve (fedspear.fl.secagg says why for each).
 
@@ -797,7 +804,7 @@ def _check_secagg(cfg: RunConfig) -> None:
                           "update itself (secagg_quantization_range), so a client cannot encode it as well; use "
                           "update_encoding = \"fp32\"")
     m = cfg.clients_per_round
-    t = max(round(cfg.secagg_threshold * m), 2)  # fedspear.fl.secagg.threshold: Flower's own rounding
+    t = secagg_threshold_count(cfg.secagg_threshold, m)
     if 2 * t <= m:
         raise ConfigError(f"secagg_threshold = {cfg.secagg_threshold:g} with clients_per_round = {m} gives the "
                           f"reconstruction threshold t = {t}, not above m/2: a server could collect t shares of both "

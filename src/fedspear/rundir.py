@@ -110,9 +110,22 @@ class RunDir:
     def check_or_write_config(self, cfg: RunConfig) -> None:
         """Write ``config.toml`` for a new run; for an existing one, refuse a config that differs.
 
+        A folder without ``config.toml`` (a run directory has one from its first start on) may hold other files
+        (``fedspear compare`` puts ``cell.toml`` and ``log.txt`` in a cell's folder first), but none that ``verify``
+        would delete (``*.tmp``; ``config.toml.tmp`` is a run's own: its first start was killed while writing it) or
+        that would be read as the run's (``metrics.jsonl``, ``adapters/``).
+
         Raises:
-            ConfigError: the saved config differs in keys other than ``RESUME_FREE_KEYS`` (names them).
+            ConfigError: the saved config differs in keys other than ``RESUME_FREE_KEYS`` (names them), or the folder
+                is not a run directory and holds such files (nothing in it is changed).
         """
+        if self.path.is_dir() and not self.config_path.exists():
+            theirs = sorted(p.name for p in self.path.iterdir()
+                            if (p.suffix == ".tmp" and p.name != f"{self.config_path.name}.tmp")
+                            or p.name in (self.metrics_path.name, "adapters"))
+            if theirs:
+                raise ConfigError(f"output_dir {self.path} holds {', '.join(theirs[:3])} but no config.toml: not a "
+                                  "fedspear run directory; give a new or empty folder (nothing in it was changed)")
         self.path.mkdir(parents=True, exist_ok=True)
         if self.config_path.is_file():
             saved = self.saved_config()

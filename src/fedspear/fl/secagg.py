@@ -137,7 +137,7 @@ from flwr.server.workflow import SecAggPlusWorkflow
 from flwr.server.workflow.constant import MAIN_CONFIGS_RECORD, MAIN_PARAMS_RECORD
 from flwr.server.workflow.constant import Key as WorkflowKey
 
-from fedspear.config import RunConfig
+from fedspear.config import RunConfig, secagg_threshold_count
 from fedspear.fl.records import LAYOUT_KEY, PACKED_KEY, from_record
 from fedspear.fl.strategy import CLIENT_ERRORS, WEIGHT_KEY, WinWeightedFedAvg
 from fedspear.server.validation import check_reply
@@ -155,9 +155,8 @@ def max_weight(cfg: RunConfig) -> float:
 
 
 def threshold(cfg: RunConfig, sampled: int) -> int:
-    """The reconstruction threshold t for ``sampled`` clients, as ``SecAggPlusWorkflow.setup_stage`` computes it
-    from a float ``reconstruction_threshold`` when every sampled client holds a share (``num_shares`` = 1.0)."""
-    return max(round(cfg.secagg_threshold * sampled), 2)
+    """The reconstruction threshold t for ``sampled`` clients (``fedspear.config.secagg_threshold_count``)."""
+    return secagg_threshold_count(cfg.secagg_threshold, sampled)
 
 
 def error_bound(cfg: RunConfig, uploaded: int, total_weight: float) -> float:

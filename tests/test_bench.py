@@ -114,13 +114,18 @@ def test_targets_judged_by_hand():
     assert not r["met"] and r["measured"] == "30.40 s = 0.740 ×"
     assert r["note"] == ("missed: needs ≤ 20.55 s, 9.85 s more; the authors' code on this kind "
                          "(intel-f6m167-avx512bf16, 2026-11-27)")
+    # the fp32-only Intel kind (AVX-512 without BF16) too: 46.0 s / 72.6 s = 0.634 ×
+    ice = {t["target"]: t for t in targets(_result(kind="intel-f6m106-avx512", per_client_round=46.0))}
+    r = ice["SPEAR client-round ≤ 0.5 × the authors' 72.6 s"]
+    assert not r["met"] and r["measured"] == "46.00 s = 0.634 ×"
+    assert r["note"].startswith("missed: needs ≤ 36.30 s, 9.70 s more; ")
     # a kind without a reference gets no ratio at all
     other = targets(_result(kind="zen5-avx512bf16", per_client_round=16.0))
     r = next(t for t in other if "client-round" in t["target"])
     assert r == {"target": "SPEAR client-round ≤ 0.5 × the authors' code on the same machine kind",
                  "measured": "16.00 s", "met": None,
                  "note": "no same-kind reference: the authors' code was timed on zen4-avx2, intel-f6m167-avx512bf16, "
-                         "not on zen5-avx512bf16"}
+                         "intel-f6m106-avx512, not on zen5-avx512bf16"}
     other = {**_result(kind="zen5-avx512bf16", per_client_round=16.0), **_rendered()}
     other["machine"] = {"kind": "zen5-avx512bf16", "cpu": "c", "threads": 2, "torch": "t"}
     other["round"] = {**other["round"], "config": {}, "seconds": dict.fromkeys(

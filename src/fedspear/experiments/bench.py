@@ -702,8 +702,8 @@ def result_stem(result: dict[str, Any], scaling: bool = False) -> str:
 # 16 rollouts, N = 2, 16 new tokens, 2 local steps of 4 + 4, LoRA r16 on all seven projections, their gradient
 # checkpointing, 2 threads, fp32: their CPU path has no bf16), seconds per client-round, per machine kind
 # (:func:`machine_kind`), each measured back to back with fedspear on one machine of that kind. Source: the project's
-# reference-timing notes of 2026-11-25 / 2026-11-27 (issue 40 item 6). A ratio is given only against the reference of
-# the kind measured: one kind's figure divided by another's compares two machines, not two programs.
+# reference-timing notes of 2026-11-25 / 2026-11-27 / 2026-12-01 (issue 40 item 6). A ratio is given only against the
+# reference of the kind measured: one kind's figure divided by another's compares two machines, not two programs.
 AUTHORS_REFERENCES: dict[str, dict[str, Any]] = {
     "zen4-avx2": {
         "machine": "2-core AMD EPYC Zen 4, AVX2 only (no AVX-512, no bf16 units)", "date": "2026-11-25",
@@ -714,6 +714,11 @@ AUTHORS_REFERENCES: dict[str, dict[str, Any]] = {
         "machine": "Intel Xeon (family 6, model 167), AVX-512 BF16 + AMX", "date": "2026-11-27",
         "seconds_per_client_round": 41.1,  # mean of two runs' medians: A 40.7/39.1/39.5 (39.5), B 46.5/42.0/42.7 (42.7)
         "fedspear_same_machine": "fp32 34.4 s (0.84 ×), bf16 30.4 s (0.74 ×) per client-round (ea2bbe6)",
+    },
+    "intel-f6m106-avx512": {
+        "machine": "2-core Intel Xeon (family 6, model 106), AVX-512 without BF16 or AMX (fp32)", "date": "2026-12-01",
+        "seconds_per_client_round": 72.6,  # mean of two runs' medians: A 62.1/75.2/67.9 (67.9), B 77.5/77.4/65.9 (77.4)
+        "fedspear_same_machine": "fp32 46.0 s per client-round (7b5ba43): 0.63 ×",
     },
 }
 DECODE_TARGET = 0.30  # of the bandwidth bound, at batch 8 and 32

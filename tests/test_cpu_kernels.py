@@ -1,5 +1,5 @@
-"""The CPU speed patches change nothing but speed and rounding: dropout's distribution, bf16 weights, decode
-attention (fedspear.runtime.cpu_kernels)."""
+"""The CPU speed patches change nothing but speed and rounding: dropout's distribution, bf16 weights, weights held
+by column, decode attention (fedspear.runtime.cpu_kernels)."""
 
 from __future__ import annotations
 
@@ -89,6 +89,78 @@ def test_bf16_linear_weights_give_autocasts_outputs_and_gradients_bitwise():
     assert out[0][1].keys() == out[1][1].keys() and len(out[0][1]) > 0
     for name in out[0][1]:
         assert torch.equal(out[0][1][name], out[1][1][name]), name
+
+
+def test_column_weights_give_the_same_outputs_gradients_and_answers(arc_items):
+    """Linear weights held by column keep their shapes and values (a tied output embedding stays tied): logits and
+    LoRA gradients equal the row layout's to fp32 rounding, greedy answers are the same, and generation's merged
+    copy of each weight is held by column too, with the base weights put back bitwise after it."""
+    from fedspear.runtime.cpu_kernels import store_linear_weights_by_column
+    from fedspear.runtime.generation import generate
+    from fedspear.runtime.model import LoraSettings, add_lora, merged_adapter, tiny_model
+
+    models = []
+    for by_column in (False, True):
+        base, tok = tiny_model(seed=0)
+        linears = [m for m in base.modules() if isinstance(m, torch.nn.Linear)]
+        before = [m.weight.detach().clone() for m in linears]
+        tied = base.get_output_embeddings().weight is base.get_input_embeddings().weight
+        if by_column:
+            assert store_linear_weights_by_column(base) == len({id(m.weight) for m in linears}) > 0
+            assert store_linear_weights_by_column(base) == 0  # already by column
+            for module, old in zip(linears, before):
+                assert module.weight.t().is_contiguous() and not module.weight.is_contiguous()
+                assert torch.equal(module.weight, old)
+            assert (base.get_output_embeddings().weight is base.get_input_embeddings().weight) == tied
+        model = add_lora(base, LoraSettings(r=4, alpha=8, dropout=0.0), seed=0)
+        torch.manual_seed(1)
+        models.append(with_random_adapter(model, 0.3))
+    ids = torch.randint(0, len(tok), (3, 17))
+    out = []
+    for model in models:
+        logits = model(input_ids=ids).logits  # [3, 17, V]
+        logits.log_softmax(-1)[..., 0].mean().backward()
+        out.append((logits.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}))
+        model.zero_grad(set_to_none=True)
+    torch.testing.assert_close(out[0][0], out[1][0], atol=1e-5, rtol=1e-5)
+    assert out[0][1].keys() == out[1][1].keys() and len(out[0][1]) > 0
+    for name in out[0][1]:
+        torch.testing.assert_close(out[0][1][name], out[1][1][name], atol=1e-5, rtol=1e-4, msg=name)
+    contexts = [render(tok, [arc_challenge.prompt(ex)]) for ex in arc_items]
+    answers = [generate(m, tok, contexts, max_new_tokens=8, do_sample=False, merge=True) for m in models]
+    assert answers[0] == answers[1]
+    by_column = models[1].eval()
+    layers = [m.get_base_layer() for m in by_column.modules() if hasattr(m, "lora_A") and hasattr(m, "get_base_layer")]
+    held = [(layer.weight.data_ptr(), layer.weight.detach().clone()) for layer in layers]
+    with merged_adapter(by_column):
+        for layer, (address, weight) in zip(layers, held):
+            assert layer.weight.data_ptr() != address and layer.weight.t().is_contiguous()
+            assert not torch.equal(layer.weight, weight)  # the merged copy: W + s·B·A
+    for layer, (address, weight) in zip(layers, held):
+        assert layer.weight.data_ptr() == address and torch.equal(layer.weight, weight)
+
+
+def test_column_weights_are_taken_for_fp32_on_an_intel_cpu_only(monkeypatch):
+    """``column_weights_pay`` says yes for fp32 on an Intel CPU and nowhere else; ``load_base`` holds the linear
+    weights by column exactly when it says yes."""
+    import fedspear.runtime.cpu_kernels as kernels
+    import fedspear.runtime.model as model_module
+    from fedspear.runtime.model import load_base
+
+    for vendor, dtype, device, pays in (("GenuineIntel", "fp32", "cpu", True), ("GenuineIntel", "bf16", "cpu", False),
+                                        ("AuthenticAMD", "fp32", "cpu", False), (None, "fp32", "cpu", False),
+                                        ("GenuineIntel", "fp32", "cuda", False)):
+        monkeypatch.setattr(kernels, "cpu_vendor", lambda v=vendor: v)
+        assert kernels.column_weights_pay(dtype, device) is pays, (vendor, dtype, device)
+    monkeypatch.undo()
+    vendor = kernels.cpu_vendor()
+    if Path("/proc/cpuinfo").exists():
+        assert f"vendor_id\t: {vendor}" in Path("/proc/cpuinfo").read_text()
+    for pays in (True, False):
+        monkeypatch.setattr(model_module, "column_weights_pay", lambda dtype_used, p=pays: p)
+        base = load_base("tiny-random", "fp32", "cpu")[0]
+        up = base.model.layers[0].mlp.up_proj.weight
+        assert up.t().is_contiguous() is pays and up.is_contiguous() is not pays
 
 
 def test_decode_attention_is_sdpa_in_fp32_for_one_query_row():

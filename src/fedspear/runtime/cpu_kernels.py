@@ -143,6 +143,62 @@ def use_decode_attention(base) -> bool:
     return True
 
 
+def cpu_vendor() -> str | None:
+    """``vendor_id`` of this machine's first processor in ``/proc/cpuinfo`` (``GenuineIntel``, ``AuthenticAMD``), or
+    None where it cannot be read."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("vendor_id"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return None
+
+
+def column_weights_pay(dtype_used: str, device_type: str = "cpu") -> bool:
+    """Whether ``load_base`` stores the linear weights by column (:func:`store_linear_weights_by_column`):
+    fp32 on an Intel CPU, the kind where it was measured to pay (docs/performance.md, "What was changed").
+
+    On a 2-core Intel Xeon (family 6, model 106; MKL 2024.2, torch 2.13) ``F.linear`` with an fp32 weight held as
+    PyTorch stores it (``[out, in]``, row by row) runs 1.2–2.8× slower at 8–32 input rows — a decode step's —
+    than with the same weight held by column; at prefill and training sizes (256–1,200 rows) the two are within
+    ±20%, forward and backward. AMD CPUs keep PyTorch's layout until the layout is measured there; bf16 weights go
+    through oneDNN's kernels instead and keep it too.
+    """
+    return device_type == "cpu" and dtype_used == "fp32" and cpu_vendor() == "GenuineIntel"
+
+
+def store_linear_weights_by_column(base) -> int:
+    """Hold every ``nn.Linear`` weight of ``base`` by column, in place (before ``add_lora``: those are the weights
+    LoRA freezes); returns how many weights were moved.
+
+    A weight keeps its shape ``[out, in]`` and its values; its storage becomes that of its transpose (strides
+    ``(1, out)``: ``weight.t()`` is contiguous), so ``F.linear(x, weight)``'s matrix product reads the weight in the
+    order of an ``[in, out]`` matrix. On the Intel CPU measured, a SmolLM2-135M decode step in fp32 with the
+    adapter merged went from 145–220 to 88–120 ms at batch 16 (docs/performance.md); outputs were bitwise equal
+    there (the same products, summed in the same order by MKL), and greedy answers are tested equal. A tied output
+    embedding stays tied: the embedding then gathers its rows from the transposed storage. Clones made by
+    ``torch.clone`` keep the layout (``preserve_format``), so peft's merged copy of a weight
+    (``model.merged_adapter``) is held by column too. A weight read from the checkpoint's file mapping has its pages
+    paged out once copied (``memory.page_out``, as ``store_linear_weights_bf16`` does). Call before ``add_lora``.
+    """
+    from fedspear.runtime.memory import file_mappings, page_out
+
+    mappings = file_mappings()
+    done = 0
+    seen: set[int] = set()
+    for module in base.modules():
+        weight = module.weight if isinstance(module, torch.nn.Linear) else None
+        if weight is None or id(weight) in seen or weight.t().is_contiguous():
+            continue
+        seen.add(id(weight))
+        mapped = weight.data
+        weight.data = mapped.t().contiguous().t()
+        page_out(mapped, mappings)
+        done += 1
+    return done
+
+
 def store_linear_weights_bf16(base) -> int:
     """Store the frozen ``nn.Linear`` weights and biases of ``base`` in bf16, in place; returns how many linears.
 

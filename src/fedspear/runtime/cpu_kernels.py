@@ -161,9 +161,9 @@ def column_weights_pay(dtype_used: str, device_type: str = "cpu") -> bool:
 
     On a 2-core Intel Xeon (family 6, model 106; MKL 2024.2, torch 2.13) ``F.linear`` with an fp32 weight held as
     PyTorch stores it (``[out, in]``, row by row) runs 1.2–2.8× slower at 8–32 input rows — a decode step's —
-    than with the same weight held by column; at prefill and training sizes (256–1,200 rows) the two are within
-    ±20%, forward and backward. AMD CPUs keep PyTorch's layout until the layout is measured there; bf16 weights go
-    through oneDNN's kernels instead and keep it too.
+    than with the same weight held by column; at prefill and training sizes (64–1,200 rows, forward and backward)
+    the row layout took 0.83–1.19× the column layout's time. AMD CPUs keep PyTorch's layout until the layout is
+    measured there; bf16 weights go through oneDNN's kernels instead and keep it too.
     """
     return device_type == "cpu" and dtype_used == "fp32" and cpu_vendor() == "GenuineIntel"
 
@@ -175,8 +175,9 @@ def store_linear_weights_by_column(base) -> int:
     A weight keeps its shape ``[out, in]`` and its values; its storage becomes that of its transpose (strides
     ``(1, out)``: ``weight.t()`` is contiguous), so ``F.linear(x, weight)``'s matrix product reads the weight in the
     order of an ``[in, out]`` matrix. On the Intel CPU measured, a SmolLM2-135M decode step in fp32 with the
-    adapter merged went from 145–220 to 88–120 ms at batch 16 (docs/performance.md); outputs were bitwise equal
-    there (the same products, summed in the same order by MKL), and greedy answers are tested equal. A tied output
+    adapter merged went from 145–220 to 88–120 ms at batch 16 (docs/performance.md); the logits of a 1,920-token
+    forward were bitwise equal there, and greedy answers, logits and LoRA gradients are tested equal (to fp32
+    rounding). A tied output
     embedding stays tied: the embedding then gathers its rows from the transposed storage. Clones made by
     ``torch.clone`` keep the layout (``preserve_format``), so peft's merged copy of a weight
     (``model.merged_adapter``) is held by column too. A weight read from the checkpoint's file mapping has its pages

@@ -702,7 +702,7 @@ def result_stem(result: dict[str, Any], scaling: bool = False) -> str:
 # 16 rollouts, N = 2, 16 new tokens, 2 local steps of 4 + 4, LoRA r16 on all seven projections, their gradient
 # checkpointing, 2 threads, fp32: their CPU path has no bf16), seconds per client-round, per machine kind
 # (:func:`machine_kind`), each measured back to back with fedspear on one machine of that kind. Source: the project's
-# reference-timing notes of 2026-11-25 / 2026-11-27 / 2026-12-01 (issue 40 item 6). A ratio is given only against the
+# reference-timing notes of 2026-11-25 / 2026-11-27 / 2026-12-01 / 2026-12-02 (issue 40 item 6). A ratio is given only against the
 # reference of the kind measured: one kind's figure divided by another's compares two machines, not two programs.
 AUTHORS_REFERENCES: dict[str, dict[str, Any]] = {
     "zen4-avx2": {
@@ -719,6 +719,11 @@ AUTHORS_REFERENCES: dict[str, dict[str, Any]] = {
         "machine": "2-core Intel Xeon (family 6, model 106), AVX-512 without BF16 or AMX (fp32)", "date": "2026-12-01",
         "seconds_per_client_round": 72.6,  # mean of two runs' medians: A 62.1/75.2/67.9 (67.9), B 77.5/77.4/65.9 (77.4)
         "fedspear_same_machine": "fp32 46.0 s per client-round (7b5ba43): 0.63 ×",
+    },
+    "zen4-avx512bf16": {
+        "machine": "2-core AMD EPYC Zen 4 (family 25, model 17), AVX-512 BF16", "date": "2026-12-02",
+        "seconds_per_client_round": 65.6,  # mean of two runs' medians: A 70.5/64.6/64.4 (64.6), B 70.5/64.4/66.6 (66.6)
+        "fedspear_same_machine": "bf16 39.3 s (0.60 ×), fp32 50.7 s (0.77 ×) per client-round (9cdd9c4)",
     },
 }
 DECODE_TARGET = 0.30  # of the bandwidth bound, at batch 8 and 32

@@ -702,8 +702,9 @@ def result_stem(result: dict[str, Any], scaling: bool = False) -> str:
 # 16 rollouts, N = 2, 16 new tokens, 2 local steps of 4 + 4, LoRA r16 on all seven projections, their gradient
 # checkpointing, 2 threads, fp32: their CPU path has no bf16), seconds per client-round, per machine kind
 # (:func:`machine_kind`), each measured back to back with fedspear on one machine of that kind. Source: the project's
-# reference-timing notes of 2026-11-25 / 2026-11-27 / 2026-12-01 / 2026-12-02 (issue 40 item 6). A ratio is given only against the
-# reference of the kind measured: one kind's figure divided by another's compares two machines, not two programs.
+# reference-timing notes of 2026-11-25 / 2026-11-27 / 2026-12-01 / 2026-12-02 (issue 40 item 6). A ratio is given
+# only against the reference of the kind measured: one kind's figure divided by another's compares two machines, not
+# two programs.
 AUTHORS_REFERENCES: dict[str, dict[str, Any]] = {
     "zen4-avx2": {
         "machine": "2-core AMD EPYC Zen 4, AVX2 only (no AVX-512, no bf16 units)", "date": "2026-11-25",

@@ -132,6 +132,45 @@ def test_a_second_signal_ends_the_command_at_once(tmp_path):
     assert session(proc.pid) == []
 
 
+# a library's thread that starts a process once the stop is under way, as Flower's simulation does from its
+# ``finally`` (its exit event runs ``platform.architecture()``, hence the ``file`` command)
+LATE = textwrap.dedent("""
+    import subprocess, sys, threading, time
+    from fedspear import stops
+
+    def library():
+        while not stops.requested():
+            time.sleep(0.01)
+        time.sleep(0.3)  # the tree is being ended: the SIGTERM-ignoring child holds that for KILL_AFTER (2 s)
+        print(subprocess.Popen(["sleep", "30"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL).pid, flush=True)
+
+    with stops.Stops(lambda signum: "stopped", deadline=30.0):
+        child = subprocess.Popen([sys.executable, "-c",
+                                  "import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); "
+                                  "signal.signal(signal.SIGINT, signal.SIG_IGN); time.sleep(600)"])
+        print(child.pid, flush=True)
+        threading.Thread(target=library, daemon=True).start()
+        time.sleep(600)
+""")
+
+
+def test_a_child_a_library_starts_while_the_tree_is_ended_does_not_outlive_the_command(tmp_path):
+    """Ctrl-C; 0.3 s later, while the first child's SIGTERM grace runs, a daemon thread starts ``sleep 30``: it is
+    not among the processes the stop set out to end, yet when the command has exited it is gone too."""
+    script = tmp_path / "late.py"
+    script.write_text(LATE)
+    proc = start([sys.executable, str(script)], env=dict(os.environ))
+    int(proc.stdout.readline())
+    time.sleep(0.5)
+    os.killpg(proc.pid, signal.SIGINT)
+    late = int(proc.stdout.readline())  # the thread did start its process before the command ended
+    status, err, seconds = stop(proc, signal.SIGCONT)  # SIGCONT: harmless, only to wait for the exit
+    assert status == 130 and err.strip().splitlines()[-1] == "stopped", err
+    assert seconds < 10.0
+    assert not psutil.pid_exists(late) or psutil.Process(late).status() == psutil.STATUS_ZOMBIE
+    assert session(proc.pid) == []
+
+
 def test_node_worker_stops_on_sigterm_with_its_line(tmp_path):
     key = tmp_path / "worker.key"
     proc = start([FEDSPEAR, "node-worker", "--address", "127.0.0.1:0", "--key-file", str(key)],

@@ -27,6 +27,11 @@ saying where it stopped and how to go on, and exit code 128 + the signal's numbe
   current descendant still alive gets SIGTERM, then SIGKILL after ``KILL_AFTER`` seconds (without a stop, only the
   recorded ones). Only processes that were
   descendants of this one are ever signalled (``psutil.Process`` checks the start time, so a reused PID is safe).
+- *Late children* (2026-12-02). A library thread can start a process while the tree is being ended: Flower's
+  simulation sends its exit event from a ``finally`` on a daemon thread, which runs ``platform.architecture()``
+  and so the ``file`` command, even with ``FLWR_TELEMETRY_ENABLED=0``; ended by ``os._exit``, such a child
+  outlived the command (seen once in CI). So the last thing before ``os._exit`` is one more look at the tree, and
+  whatever was born since is killed at once (``_exit``).
 """
 
 from __future__ import annotations
@@ -221,9 +226,9 @@ def _exit(code: int, line: str, flush: bool = True) -> None:
     """Write ``line`` to stderr and end the process now (with ``flush``, Python's buffered output first).
 
     Everything worth keeping is on disk by then (run records are written atomically and fsynced; Ray is shut down
-    and the children ended): the interpreter's own finalisation is skipped, which after a stopped ``fedspear run``
-    spent 8 s in native threads, and whose exit handlers can wait forever on a lock an interrupted call left held
-    (both seen on a contended 2-core machine)."""
+    and the children ended; any child started since, by a library's thread, is killed here): the interpreter's own
+    finalisation is skipped, which after a stopped ``fedspear run`` spent 8 s in native threads, and whose exit
+    handlers can wait forever on a lock an interrupted call left held (both seen on a contended 2-core machine)."""
     if flush:
         for stream in (sys.stdout, sys.stderr):
             try:
@@ -234,6 +239,7 @@ def _exit(code: int, line: str, flush: bool = True) -> None:
         os.write(2, (line + "\n").encode("utf-8", "replace"))
     except OSError:
         pass
+    end_processes(children(), kill_after=0)  # born while the tree was being ended (module docstring: late children)
     os._exit(code)
 
 

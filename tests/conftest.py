@@ -107,3 +107,19 @@ def task_identity():
     TaskIdentity.task_id, TaskIdentity.run_id, TaskIdentity.node_id = 1, 1, 0
     yield
     TaskIdentity._task_id, TaskIdentity._run_id, TaskIdentity._node_id = saved
+
+
+@pytest.fixture(scope="session")
+def uninterrupted_run(tmp_path_factory):
+    """``fedspear run`` with ``helpers.RESUME_ARGS``, never interrupted (its output folder): what the stopped, killed
+    and resumed runs of test_stops and test_reliability must end equal to. Run once per session (≈ 20 s)."""
+    import subprocess
+    import sys
+
+    from helpers import RESUME_ARGS
+
+    out = tmp_path_factory.mktemp("uninterrupted") / "run"
+    proc = subprocess.run([str(Path(sys.executable).with_name("fedspear")), "run", *RESUME_ARGS, "-o", str(out)],
+                          capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return out

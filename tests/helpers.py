@@ -90,23 +90,47 @@ def descendants(pid: int) -> list[int]:
     return out
 
 
-def kill_run_after_round(cmd: list[str], out: Path, after_round: int, delay: float = 3.0,
-                         timeout: float = 600, env: dict[str, str] | None = None) -> None:
-    """Start ``cmd`` (a ``fedspear run`` writing to ``out``), wait until ``metrics.jsonl`` holds round
-    ``after_round``, then ``delay`` seconds more (inside the next round), and kill -9 the whole run at once: its
-    process group and every descendant (Ray's processes too).
+#: a tiny FedAdam run (3 rounds, one client of two per round, fp32) whose rounds train: the simulated user flips half
+#: the verdicts (seeded per client), so the random model's answers make both wins and losses. The stop and kill -9
+#: tests resume it and compare with the same run never interrupted (the ``uninterrupted_run`` fixture).
+RESUME_ARGS = ["--model", "tiny-random", "--rounds", "3", "--clients", "2", "--clients-per-round", "1",
+               "--rollouts-per-round", "4", "--eval-size", "4", "--dtype", "fp32", "--set", "local_steps=2",
+               "--set", "batch_size=2", "--set", "eval_every=3", "--set", "train_size=40", "--set", "max_new_tokens=8",
+               "--set", "lr=0.001", "--set", "strategy=fedadam", "--set", "user_flip_prob=0.5"]
+
+
+def client_at_work(out: Path, server_round: int) -> bool:
+    """Whether a client's progress file (``<out>/progress/client-*.json``, ``fedspear.progress``) says it is inside a
+    phase of round ``server_round`` (answering, revising or training): its reply, so the round's record, is not
+    sent yet."""
+    for path in (out / "progress").glob("client-*.json"):
+        try:
+            state = json.loads(path.read_text())
+        except (OSError, ValueError):  # replaced between the listing and the read
+            continue
+        if state.get("round") == server_round and state.get("phase") not in (None, "done"):
+            return True
+    return False
+
+
+def kill_run_inside_round(cmd: list[str], out: Path, server_round: int, timeout: float = 600,
+                          env: dict[str, str] | None = None) -> None:
+    """Start ``cmd`` (a ``fedspear run`` on the simulation engine writing to ``out``), wait until a client is at work
+    on round ``server_round`` (``client_at_work``, looked at every 20 ms), and kill -9 the whole run at once: its
+    process group and every descendant (Ray's processes too). The round's record is then not written.
 
     Raises:
-        AssertionError: the round never appeared within ``timeout`` s, or the run ended before it could be killed.
+        AssertionError: no client was seen at work on that round within ``timeout`` s (the run ended, or the round
+            went by between two looks).
     """
     run = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True, env=env)
-    metrics = out / "metrics.jsonl"
     deadline = time.time() + timeout
-    while time.time() < deadline and not (metrics.is_file() and any(
-            json.loads(line)["round"] == after_round for line in metrics.read_text().splitlines() if line.strip())):
-        time.sleep(0.5)
-    time.sleep(delay)
-    assert run.poll() is None, "the run ended before it could be killed"
+    while not client_at_work(out, server_round):
+        if run.poll() is not None or time.time() > deadline:
+            if run.poll() is None:
+                os.killpg(run.pid, signal.SIGKILL)
+            raise AssertionError(f"no client was seen at work on round {server_round} (exit {run.poll()})")
+        time.sleep(0.02)
     family = descendants(run.pid)
     os.killpg(run.pid, signal.SIGKILL)
     for pid in family:

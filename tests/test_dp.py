@@ -502,25 +502,25 @@ def test_a_tiny_dp_run_reports_rising_epsilon_and_resumes_to_the_same_adapter(tm
 
 @pytest.mark.slow
 def test_a_dp_run_killed_mid_round_resumes_to_the_same_adapter_and_epsilon(tmp_path):
-    """kill -9 of the whole run (CLI and Ray) inside round 2 of 3 (packaged SmolLM2, fp32, as
+    """kill -9 of the whole run (CLI and Ray) while a client is at work on round 2 of 3 (the tiny model, fp32, as
     test_reliability's resume test), then the same command: the same final adapter as a run never interrupted
     (max |Δθ| ≤ 1e-6; seeded noise, same packing), the same ε and releases per round, and clipping that bit
     (every aggregated update has norm C = 1e-3; the flipped user makes every answer a win, so no update is zero)."""
     from safetensors.numpy import load_file
 
-    from helpers import kill_run_after_round
+    from helpers import kill_run_inside_round
 
-    args = ["run", "--rounds", "3", "--clients", "2", "--clients-per-round", "2", "--rollouts-per-round", "4",
-            "--eval-size", "4", "--dtype", "fp32", "--set", "local_steps=2", "--set", "batch_size=2",
-            "--set", "eval_every=3", "--set", "train_size=40", "--set", "max_new_tokens=8", "--set", "lr=0.001",
-            "--set", "user_flip_prob=1.0", "--set", "dp=client", "--set", "dp_clip_norm=1e-3",
+    args = ["run", "--model", "tiny-random", "--rounds", "3", "--clients", "2", "--clients-per-round", "2",
+            "--rollouts-per-round", "4", "--eval-size", "4", "--dtype", "fp32", "--set", "local_steps=2",
+            "--set", "batch_size=2", "--set", "eval_every=3", "--set", "train_size=40", "--set", "max_new_tokens=8",
+            "--set", "lr=0.001", "--set", "user_flip_prob=1.0", "--set", "dp=client", "--set", "dp_clip_norm=1e-3",
             "--set", "dp_noise_multiplier=1.0", "--set", "dp_noise_seed=5"]
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(Path(__file__).parents[1] / "src"),
                                                                     os.environ.get("PYTHONPATH")])))
     whole, killed = tmp_path / "whole", tmp_path / "killed"
     proc = subprocess.run([FEDSPEAR, *args, "-o", str(whole)], capture_output=True, text=True, timeout=900, env=env)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    kill_run_after_round([FEDSPEAR, *args, "-o", str(killed)], killed, after_round=1, env=env)  # inside round 2
+    kill_run_inside_round([FEDSPEAR, *args, "-o", str(killed)], killed, server_round=2, env=env)
     assert [r["round"] for r in _records(killed)] == [0, 1]
     proc = subprocess.run([FEDSPEAR, *args, "-o", str(killed)], capture_output=True, text=True, timeout=900, env=env)
     assert proc.returncode == 0, proc.stderr[-3000:]

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 from safetensors.numpy import load_file
 
-from helpers import kill_run_after_round, stable
+from helpers import RESUME_ARGS, kill_run_inside_round, stable
 
 pytestmark = pytest.mark.slow
 
@@ -48,21 +48,16 @@ def test_faulty_clients_are_excluded_with_reasons_and_the_round_completes(tmp_pa
     assert all(np.array_equal(final[k], start[k]) for k in start)  # the healthy client had no win: θ kept
 
 
-ARGS = ["--rounds", "3", "--clients", "2", "--clients-per-round", "1", "--rollouts-per-round", "4", "--eval-size", "4",
-        "--dtype", "fp32", "--set", "local_steps=2", "--set", "batch_size=2", "--set", "eval_every=3",
-        "--set", "train_size=40", "--set", "max_new_tokens=8", "--set", "lr=0.001", "--set", "strategy=fedadam"]
-def test_sigkill_mid_round_then_resume_equals_an_uninterrupted_run(tmp_path):
-    """FedAdam, fp32: kill -9 the whole run (CLI and Ray) inside round 2, resume, and compare with a run that was
-    never interrupted: the same final adapter (max |Δθ| ≤ 1e-6), the same server-optimiser moments, the same metrics
-    (wall-clock, memory and node ids aside)."""
-    whole, killed = tmp_path / "whole", tmp_path / "killed"
-    proc = subprocess.run([FEDSPEAR, "run", *ARGS, "-o", str(whole)], capture_output=True, text=True, timeout=900)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-
-    kill_run_after_round([FEDSPEAR, "run", *ARGS, "-o", str(killed)], killed, after_round=1)  # inside round 2
+def test_sigkill_mid_round_then_resume_equals_an_uninterrupted_run(tmp_path, uninterrupted_run):
+    """FedAdam, fp32, rounds that train (``helpers.RESUME_ARGS``): kill -9 the whole run (CLI and Ray) while its
+    client is at work on round 2, resume, and compare with the same run never interrupted: the same final adapter
+    (max |Δθ| ≤ 1e-6), the same server-optimiser moments, the same metrics (wall-clock, memory and node ids aside)."""
+    whole, killed = uninterrupted_run, tmp_path / "killed"
+    kill_run_inside_round([FEDSPEAR, "run", *RESUME_ARGS, "-o", str(killed)], killed, server_round=2)
     assert [r["round"] for r in _records(killed)] == [0, 1]
 
-    proc = subprocess.run([FEDSPEAR, "run", *ARGS, "-o", str(killed)], capture_output=True, text=True, timeout=900)
+    proc = subprocess.run([FEDSPEAR, "run", *RESUME_ARGS, "-o", str(killed)], capture_output=True, text=True,
+                          timeout=900)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "resuming after round 1" in proc.stderr, proc.stderr[:3000]
 

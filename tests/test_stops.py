@@ -21,7 +21,7 @@ import psutil
 import pytest
 from safetensors.numpy import load_file
 
-from helpers import stable
+from helpers import RESUME_ARGS, stable
 
 FEDSPEAR = str(Path(sys.executable).with_name("fedspear"))
 
@@ -251,10 +251,6 @@ def test_a_stop_before_the_first_round_prints_one_line_and_records_nothing(tmp_p
 
 
 # ---- fedspear run: a stop keeps the completed rounds, and the resumed run equals an uninterrupted one ---------------
-ARGS = ["--model", "tiny-random", "--rounds", "3", "--clients", "2", "--clients-per-round", "1",
-        "--rollouts-per-round", "4", "--eval-size", "4", "--dtype", "fp32", "--set", "local_steps=2",
-        "--set", "batch_size=2", "--set", "eval_every=3", "--set", "train_size=40", "--set", "max_new_tokens=8",
-        "--set", "lr=0.001", "--set", "strategy=fedadam"]
 def _records(out: Path) -> list[dict]:
     return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines() if line.strip()]
 
@@ -270,7 +266,7 @@ def _stopped_run(out: Path, signum: int, after_round: int, group: bool = True) -
     """Start the run, wait for round ``after_round``'s record and 0.5 s more (the server then sends the next round
     and waits for its client; on a quiet machine a tiny round takes about a second, so 3 s could see it end), send
     ``signum`` to its process group (or to the CLI alone); (status, stderr, seconds)."""
-    proc = start([FEDSPEAR, "run", *ARGS, "-o", str(out)], env=dict(os.environ))
+    proc = start([FEDSPEAR, "run", *RESUME_ARGS, "-o", str(out)], env=dict(os.environ))
     wait_for(_has_round(out, after_round), proc, 600, f"round {after_round}")
     time.sleep(0.5)
     result = stop(proc, signum, group=group)
@@ -279,16 +275,13 @@ def _stopped_run(out: Path, signum: int, after_round: int, group: bool = True) -
 
 
 @pytest.mark.slow
-def test_ctrl_c_stops_the_run_and_the_resumed_run_equals_an_uninterrupted_one(tmp_path):
+def test_ctrl_c_stops_the_run_and_the_resumed_run_equals_an_uninterrupted_one(tmp_path, uninterrupted_run):
     """SIGINT to the process group half a second after round 1's record, so inside round 2 — or inside round 3 where
     round 2 took less than that (a tiny round takes about a second on a quiet machine): exit 130 within 10 s,
     nothing left running, the rounds finished so far kept (0–1 or 0–2), the line names the last of them and the
     command; re-running it resumes after that round and ends with the adapter, FedAdam moments and metrics of a run
     never interrupted (wall-clock, memory and node ids aside)."""
-    whole, stopped = tmp_path / "whole", tmp_path / "stopped"
-    proc = subprocess.run([FEDSPEAR, "run", *ARGS, "-o", str(whole)], capture_output=True, text=True, timeout=900)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-
+    whole, stopped = uninterrupted_run, tmp_path / "stopped"
     status, err, seconds = _stopped_run(stopped, signal.SIGINT, after_round=1)
     kept = [r["round"] for r in _records(stopped)]
     print(f"SIGINT: exit {status} after {seconds:.1f} s, rounds {kept} kept")
@@ -297,10 +290,11 @@ def test_ctrl_c_stops_the_run_and_the_resumed_run_equals_an_uninterrupted_one(tm
     last = kept[-1]
     assert err.strip().splitlines()[-1] == (
         f"stopped by SIGINT after round {last} of 3 ({stopped} keeps rounds 0–{last}; the round in flight is redone); "
-        f"resume with: fedspear run {' '.join(ARGS)} -o {stopped}")
+        f"resume with: fedspear run {' '.join(RESUME_ARGS)} -o {stopped}")
     assert "Traceback" not in err, err[-3000:]
 
-    proc = subprocess.run([FEDSPEAR, "run", *ARGS, "-o", str(stopped)], capture_output=True, text=True, timeout=900)
+    proc = subprocess.run([FEDSPEAR, "run", *RESUME_ARGS, "-o", str(stopped)], capture_output=True, text=True,
+                          timeout=900)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert f"resuming after round {last}" in proc.stderr
     a, b = (load_file(str(out / "adapters" / "round_0003" / "adapter_model.safetensors")) for out in (whole, stopped))

@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import json
 import os
+from typing import TYPE_CHECKING
 
 import numpy as np
 
@@ -38,11 +39,13 @@ from flwr.app import Context, Message, MetricRecord, RecordDict
 from flwr.clientapp import ClientApp
 from flwr.common.secure_aggregation.secaggplus_constants import RECORD_KEY_CONFIGS as SECAGG_RECORD
 
-from fedspear.worker import Worker
 from fedspear.config import RunConfig
 from fedspear.fl.node_worker import NodeRunner, NodeSettings, partition_indices, remote_round
 from fedspear.fl.privacy import dp_clipping_mod
 from fedspear.fl.records import LAYOUT_KEY, encode_update_mod, from_record, to_record
+
+if TYPE_CHECKING:  # torch and the model code load with the first round run here (not in a SecAgg+ stage or a
+    from fedspear.worker import Worker  # round forwarded to the node worker)
 
 app = ClientApp()
 

@@ -124,15 +124,23 @@ def test_targets_judged_by_hand():
     r = zen4["SPEAR client-round ≤ 0.5 × the authors' 65.6 s"]
     assert not r["met"] and r["measured"] == "39.30 s = 0.599 ×"
     assert r["note"].startswith("missed: needs ≤ 32.80 s, 6.50 s more; ")
+    # the Zen 5 kind meets it: 17.5 s / 42.2 s = 0.415 × (≤ 0.5 × is ≤ 21.10 s); a met row has no "missed" note
+    zen5 = {t["target"]: t for t in targets(_result(kind="zen5-avx512bf16", per_client_round=17.5))}
+    r = zen5["SPEAR client-round ≤ 0.5 × the authors' 42.2 s"]
+    assert r == {"target": "SPEAR client-round ≤ 0.5 × the authors' 42.2 s", "measured": "17.50 s = 0.415 ×",
+                 "met": True, "note": "the authors' code on this kind (zen5-avx512bf16, 2026-12-02)"}
+    # ... and its fp32 figure does not: 29.0 s / 42.2 s = 0.687 ×, 7.90 s above 21.10 s
+    r = {t["target"]: t for t in targets(_result(kind="zen5-avx512bf16", per_client_round=29.0))}[r["target"]]
+    assert not r["met"] and r["note"].startswith("missed: needs ≤ 21.10 s, 7.90 s more; ")
     # a kind without a reference gets no ratio at all
-    other = targets(_result(kind="zen5-avx512bf16", per_client_round=16.0))
+    other = targets(_result(kind="zen3-avx2", per_client_round=16.0))
     r = next(t for t in other if "client-round" in t["target"])
     assert r == {"target": "SPEAR client-round ≤ 0.5 × the authors' code on the same machine kind",
                  "measured": "16.00 s", "met": None,
                  "note": "no same-kind reference: the authors' code was timed on zen4-avx2, intel-f6m167-avx512bf16, "
-                         "intel-f6m106-avx512, zen4-avx512bf16, not on zen5-avx512bf16"}
-    other = {**_result(kind="zen5-avx512bf16", per_client_round=16.0), **_rendered()}
-    other["machine"] = {"kind": "zen5-avx512bf16", "cpu": "c", "threads": 2, "torch": "t"}
+                         "intel-f6m106-avx512, zen4-avx512bf16, zen5-avx512bf16, not on zen3-avx2"}
+    other = {**_result(kind="zen3-avx2", per_client_round=16.0), **_rendered()}
+    other["machine"] = {"kind": "zen3-avx2", "cpu": "c", "threads": 2, "torch": "t"}
     other["round"] = {**other["round"], "config": {}, "seconds": dict.fromkeys(
         ("generate_initial", "generate_revisions", "train", "aggregate", "flower_overhead", "evaluate", "round"), 1.0),
         "flower_overhead_share": 0.1}

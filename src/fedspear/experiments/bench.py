@@ -726,6 +726,11 @@ AUTHORS_REFERENCES: dict[str, dict[str, Any]] = {
         "seconds_per_client_round": 65.6,  # mean of two runs' medians: A 70.5/64.6/64.4 (64.6), B 70.5/64.4/66.6 (66.6)
         "fedspear_same_machine": "bf16 39.3 s (0.60 ×), fp32 50.7 s (0.77 ×) per client-round (9cdd9c4)",
     },
+    "zen5-avx512bf16": {
+        "machine": "2-core AMD EPYC Zen 5 (family 26, model 2), AVX-512 BF16", "date": "2026-12-02",
+        "seconds_per_client_round": 42.2,  # mean of two runs' medians: A 42.5/45.5/42.4 (42.5), B 42.3/41.8/39.3 (41.8)
+        "fedspear_same_machine": "bf16 17.5 s (0.41 ×), fp32 29.0 s (0.69 ×) per client-round (a13f4a8)",
+    },
 }
 DECODE_TARGET = 0.30  # of the bandwidth bound, at batch 8 and 32
 ROUND_TARGET = 0.5  # of the authors' seconds per client-round on the same machine kind

@@ -35,7 +35,8 @@ import time
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
-DATA_DIRS = [HERE.parent.parent / "shared" / "data" / "arc_challenge", HERE.parent / "src" / "fedspear" / "data" / "arc_challenge"]
+DATA_DIRS = [HERE.parent.parent / "shared" / "data" / "arc_challenge",
+             HERE.parent / "src" / "fedspear" / "data" / "arc_challenge"]
 
 
 def arc_rows(split: str, data_dir: Path | None):

@@ -158,6 +158,9 @@ def test_compare_two_cells_end_to_end_and_resume(tmp_path):
     assert spear0["device"] == round0["device"] == "cpu" and spear0["dtype"] == round0["dtype"]
     grpo_round = json.loads((grpo_cell / "metrics.jsonl").read_text().splitlines()[1])
     assert grpo_round["generations"] == 2 * 4 and grpo_round["weight"] == 2  # G = 4 per prompt, weight = prompts
+    # ... and, as test_algorithms checks for the other algorithms' runs of the same settings: aggregated, written
+    assert grpo_round["clients_ok"] == 1 and grpo_round["aggregated"] is True
+    assert (grpo_cell / "report.md").exists() and (grpo_cell / "adapters" / "round_0001").is_dir()
     assert grpo_round["initial_samples"] == 8 and 0 <= grpo_round["initial_accuracy"] <= 1
     # SPEAR − GRPO with an interval over the shared evaluation items (one seed: none over seeds)
     assert "95% CI over items" in text

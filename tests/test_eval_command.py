@@ -235,7 +235,8 @@ def test_lm_eval_harness_scores_the_shipped_data_offline_with_the_adapter(tmp_pa
     # the perturbed adapter is applied: every document's scores move by far more than that rounding
     assert all(max(abs(x - y) for x, y in zip(a["logliks"], b["logliks"])) > 0.1
                for a, b in zip(outs["r1"]["items"], base["items"]))
-    direct = evaluate_lm_eval(resolve_model_dir("smollm2-135m"), task, tmp_path / "run" / "adapters" / "round_0001",
-                              limit=6, batch_size=cfg.eval_batch_size,  # the batch and precision the CLI uses
-                              dtype=resolve_dtype("auto"))
-    assert direct["items"] == outs["r1"]["items"]
+    if task == "arc_challenge":  # the CLI's path into the harness is the same for every task: checked on one
+        direct = evaluate_lm_eval(resolve_model_dir("smollm2-135m"), task, tmp_path / "run" / "adapters" /
+                                  "round_0001", limit=6, batch_size=cfg.eval_batch_size,  # the CLI's batch, precision
+                                  dtype=resolve_dtype("auto"))
+        assert direct["items"] == outs["r1"]["items"]

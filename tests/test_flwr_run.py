@@ -16,13 +16,18 @@ import pytest
 REPO = Path(__file__).resolve().parents[1]
 
 
-def test_app_bundle_carries_code_and_data_only():
+def test_app_bundle_carries_code_and_data_only(tmp_path, file_module):
+    """The bundle ``flwr run .`` builds from the checkout, and the deploy example's staged copy builds the same
+    bytes (``examples/deploy-local/run.py``'s ``stage_app``)."""
     from flwr.cli.build import build_fab_from_disk
 
-    names = zipfile.ZipFile(io.BytesIO(build_fab_from_disk(REPO))).namelist()
+    fab = build_fab_from_disk(REPO)
+    names = zipfile.ZipFile(io.BytesIO(fab)).namelist()
     assert {"pyproject.toml", "src/fedspear/fl/server_app.py", "src/fedspear/fl/client_app.py",
             "src/fedspear/data/arc_challenge/test.jsonl", "src/fedspear/data/strategy_qa/SOURCE.md"} <= set(names)
     assert not [n for n in names if n.startswith(("docs/", "tests/", "examples/", "runs/", "scripts/"))]
+    example = file_module(REPO / "examples" / "deploy-local" / "run.py", "deploy_local_run")
+    assert build_fab_from_disk(example.stage_app(tmp_path / "app")) == fab
 
 
 @pytest.mark.slow

@@ -10,10 +10,11 @@ What it does, in order (every process it starts gets its own log under ``<output
 3. registers the public keys of ``node-0`` … ``node-<N-1>`` with ``flwr supernode register`` (not ``intruder``'s);
 4. starts one node worker per node (``fedspear node-worker``: holds the base model across rounds) and the N
    SuperNodes (``--node-config 'partition-id=K worker-address=… worker-key=…'``);
-5. starts one more SuperNode with the unregistered key and checks the SuperLink refuses it (its exit code and log,
-   and the SuperLink's log line, go to ``summary.json``);
-6. submits the app with ``flwr run <repo> deploy-local`` and waits (``flwr ls``) until the run finishes or
-   ``--timeout`` seconds pass;
+5. meanwhile, one more SuperNode with the unregistered key, and checks the SuperLink refused it (its exit code and
+   log, and the SuperLink's log line, go to ``summary.json``);
+6. submits the app with ``flwr run <output>/app deploy-local`` (``<output>/app``: a copy of the checkout's files the
+   app bundle carries, the same bundle Flower builds from the checkout) and waits (``flwr ls``) until the run
+   finishes or ``--timeout`` seconds pass;
 7. prints seconds per round and base-model loads per node per round, writes ``summary.json``;
 8. stops every process it started, and their children, by PID — also on error, Ctrl-C and SIGTERM — and reports any
    left; after a signal it ends with one line saying where the run stopped, and exit code 130 (SIGINT) / 143 (SIGTERM).
@@ -162,6 +163,21 @@ def flwr(procs: Processes, home: Path, *args: str, timeout: float = 120) -> dict
         raise RuntimeError(f"flwr {' '.join(args)} failed ({out.returncode}): "
                            f"{out.stdout[-2000:]} {out.stderr[-2000:]}")
     return answer
+
+
+def stage_app(dest: Path) -> Path:
+    """A copy of what ``flwr run`` packages from this checkout (``pyproject.toml``'s ``fab-include``: ``src/``'s code
+    and shipped data, README.md; plus ``pyproject.toml`` and ``.gitignore``), so that Flower builds the same app bundle
+    without walking the checkout's ``.venv``: ``flwr run`` resolves every file under the app's folder before it
+    filters them (``collect_files`` in ``flwr/cli/utils.py``), ≈ 74,000 files and 4–5 s with the virtual environment
+    beside ``src/``."""
+    import shutil
+
+    shutil.rmtree(dest, ignore_errors=True)
+    shutil.copytree(REPO / "src", dest / "src", ignore=shutil.ignore_patterns("__pycache__", "*.egg-info"))
+    for name in ("pyproject.toml", "README.md", ".gitignore"):
+        shutil.copy2(REPO / name, dest / name)
+    return dest
 
 
 def wait_for_port(proc: subprocess.Popen, port: int, what: str, timeout: float = 120) -> None:
@@ -317,6 +333,16 @@ def deploy(args: argparse.Namespace, procs: Processes, out: Path, summary: dict)
                                         CONNECTION)["node-id"] for name in nodes}
     print(f"SuperLink on 127.0.0.1:{link_port} (TLS, SuperNode auth); registered {summary['registered']}", flush=True)
 
+    # the unregistered SuperNode: same CA, valid key pair, but its public key was never registered; it is refused
+    # while the node workers load (its retries are mostly waiting), and checked before the run is submitted
+    t0 = time.monotonic()
+    intruder = procs.start("intruder", [
+        str(BIN / "flower-supernode"), "--superlink", f"127.0.0.1:{link_port}",
+        "--root-certificates", str(paths.ca_cert), "--auth-supernode-private-key", str(keys["intruder"].private_key),
+        "--node-config", "partition-id=0", "--host", "127.0.0.1",
+        "--port", str(free_port()),
+        "--max-retries", "2", "--max-wait-time", "60"], env={"FLWR_HOME": str(out / "intruder")})
+
     # the nodes share this machine's cores (on real machines each has its own): split them, not oversubscribe
     threads = max(1, (os.cpu_count() or 1) // len(nodes))
     for k, name in enumerate(nodes):
@@ -337,14 +363,6 @@ def deploy(args: argparse.Namespace, procs: Processes, out: Path, summary: dict)
             "--node-config", node_config, "--host", "127.0.0.1", "--port", str(free_port())],
             env={"FLWR_HOME": str(home / ".flwr"), "OMP_NUM_THREADS": str(threads)})
 
-    # the unregistered SuperNode: same CA, valid key pair, but its public key was never registered
-    t0 = time.monotonic()
-    intruder = procs.start("intruder", [
-        str(BIN / "flower-supernode"), "--superlink", f"127.0.0.1:{link_port}",
-        "--root-certificates", str(paths.ca_cert), "--auth-supernode-private-key", str(keys["intruder"].private_key),
-        "--node-config", "partition-id=0", "--host", "127.0.0.1",
-        "--port", str(free_port()),
-        "--max-retries", "2", "--max-wait-time", "60"], env={"FLWR_HOME": str(out / "intruder")})
     try:
         code = intruder.wait(timeout=180)
     except subprocess.TimeoutExpired:
@@ -369,7 +387,8 @@ def deploy(args: argparse.Namespace, procs: Processes, out: Path, summary: dict)
     run_config = " ".join([f'run-dir="{run_dir}"', f'config-file="{settings}"',
                            *(f"{key.replace('_', '-')}={value}" for key, value in run_config_values(args).items())])
     started = time.monotonic()
-    run_id = int(flwr(procs, cli_home, "run", str(REPO), CONNECTION, "--run-config", run_config)["run-id"])
+    app = stage_app(out / "app")
+    run_id = int(flwr(procs, cli_home, "run", str(app), CONNECTION, "--run-config", run_config)["run-id"])
     summary["run_id"] = run_id
     print(f"run {run_id} submitted: {run_config}", flush=True)
 
@@ -389,7 +408,7 @@ def deploy(args: argparse.Namespace, procs: Processes, out: Path, summary: dict)
         for name, proc in procs.started.items():
             if name != "intruder" and proc.poll() is not None:
                 raise RuntimeError(f"{name} exited with code {proc.returncode} during the run; see logs/{name}.log")
-        time.sleep(2 if done else 5)
+        time.sleep(1)  # reading the records is cheap: a round shows within a second of its end
     summary["run_status"] = status
     summary["run_seconds"] = round(time.monotonic() - started, 1)
     if not status.startswith("finished"):
@@ -468,6 +487,9 @@ def main() -> int:
     (out / "logs").mkdir(parents=True, exist_ok=True)
     env = {**os.environ, TAG_VAR: uuid.uuid4().hex, "FLWR_TELEMETRY_ENABLED": "0", "FLWR_DISABLE_UPDATE_CHECK": "1",
            "FLWR_DISABLE_RUNTIME_DEPENDENCY_INSTALLATION": "1", "PYTHONUNBUFFERED": "1",
+           # each SuperExec (the SuperLink's, for the ServerApp, and every SuperNode's, for each message's ClientApp)
+           # asks for new work every 0.2 s instead of Flower's 1 s (flwr/supercore/superexec/run_superexec.py)
+           "FLWR_SUPEREXEC_TASK_POLL_INTERVAL": os.environ.get("FLWR_SUPEREXEC_TASK_POLL_INTERVAL", "0.2"),
            # Flower starts flower-superexec / flwr-serverapp / flwr-clientapp from PATH
            "PATH": os.pathsep.join([str(BIN), os.environ.get("PATH", "")]),
            # every process imports the same fedspear as this script (a source checkout works too)

@@ -21,6 +21,12 @@ from fedspear.runtime.model import get_adapter, set_adapter
 if TYPE_CHECKING:
     from flwr.app import Message
 
+# ``fedspear run``'s tiny one-round settings (``compare --preset tiny``'s base; test_algorithms' runs): generations and
+# aggregation weight per client-round with P = 2 prompts and the tiny model (never right): SPEAR / SFT 1 + N revisions
+# each, GRPO G, OPSD 1, RLTF-SD N first turns + N revisions (G = N = 4 on ARC)
+ONE_ROUND_EXPECTED = {"spear": (2 * 2, 0), "feedback_sft": (2 * 2, 0), "grpo": (2 * 4, 2), "opsd": (2, 2),
+                      "rltf_sd": (2 * 4 * 2, 2)}
+
 TINY_WORKER = dict(model="tiny-random", num_clients=2, clients_per_round=1, rollouts_per_round=3, local_steps=2,
                    batch_size=2, lr=1e-2, max_new_tokens=4, lora_r=4, lora_alpha=8, lora_dropout=0.0, train_size=40)
 

@@ -9,10 +9,11 @@ import pytest
 from fedspear.algorithms import ALGORITHMS, feedback_sft, grpo, opsd, rltf_sd, spear
 from fedspear.worker import Worker
 from fedspear.config import ConfigError, RunConfig
+from fedspear.experiments.compare.grid import PRESETS
 from fedspear.runtime.model import get_adapter
 from fedspear.tasks import get_task
 
-from helpers import Alternate, make_worker, nonzero_start
+from helpers import ONE_ROUND_EXPECTED as EXPECTED, Alternate, make_worker, nonzero_start
 
 
 def moved(worker: Worker, start: dict[str, np.ndarray]) -> float:
@@ -137,30 +138,26 @@ def test_rltf_sd_revises_only_wrong_samples(arc_items, scripted):
     assert moved(worker, start) > 1e-5
 
 
-# generations per client-round with P prompts and the tiny model (never right): SPEAR / SFT 1 + N revisions each,
-# GRPO G, OPSD 1, RLTF-SD N first turns + N revisions (G = N = 4 on ARC)
-EXPECTED = {"spear": (2 * 2, 0), "feedback_sft": (2 * 2, 0), "grpo": (2 * 4, 2), "opsd": (2, 2),
-            "rltf_sd": (2 * 4 * 2, 2)}
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("algorithm", [name for name in ALGORITHMS if name != "grpo"])
+@pytest.mark.parametrize("algorithm", [name for name in ALGORITHMS if name not in PRESETS["tiny"].algorithms])
 def test_one_round_per_algorithm_through_the_simulation_engine(algorithm, tmp_path):
-    """``fedspear run --set algorithm=…`` with the tiny model: one round through Flower's simulation engine; the
-    round record carries the algorithm's generations and aggregation weight (wins for SPEAR / SFT, prompts for the
-    others), and the run's report is written. GRPO's run with these same settings is the GRPO cell of ``compare
-    --preset tiny`` (``tests/test_compare.py::test_compare_two_cells_end_to_end_and_resume``, the same checks)."""
+    """``fedspear run --set algorithm=…`` with ``compare --preset tiny``'s settings (the tiny model): one round through
+    Flower's simulation engine; the round record carries the algorithm's generations and aggregation weight (wins for
+    SPEAR / SFT, prompts for the others), and the run's report is written. SPEAR's and GRPO's runs with these
+    settings are the two cells of ``compare --preset tiny``
+    (``tests/test_compare.py::test_compare_two_cells_end_to_end_and_resume``, the same checks against
+    ``helpers.ONE_ROUND_EXPECTED``)."""
     import json
     import subprocess
     import sys
     from pathlib import Path
 
     out = tmp_path / algorithm
-    cmd = [str(Path(sys.executable).with_name("fedspear")), "run", "--model", "tiny-random", "--dtype", "fp32",
-           "--rounds", "1", "--clients", "2", "--clients-per-round", "1", "--rollouts-per-round", "2",
-           "--max-revisions", "1", "--eval-size", "4", "--train-size", "20", "-o", str(out),
-           "--set", f"algorithm={algorithm}", "--set", "max_new_tokens=3", "--set", "lora_r=4",
-           "--set", "lora_alpha=8", "--set", "local_steps=1", "--set", "batch_size=2"]
+    settings = [f"{key}={value}" for key, value in {**PRESETS["tiny"].base, "algorithm": algorithm}.items()]
+    cmd = [str(Path(sys.executable).with_name("fedspear")), "run", "-o", str(out),
+           *(arg for setting in settings for arg in ("--set", setting))]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]

@@ -138,8 +138,6 @@ def test_rltf_sd_revises_only_wrong_samples(arc_items, scripted):
     assert moved(worker, start) > 1e-5
 
 
-
-
 @pytest.mark.slow
 @pytest.mark.parametrize("algorithm", [name for name in ALGORITHMS if name not in PRESETS["tiny"].algorithms])
 def test_one_round_per_algorithm_through_the_simulation_engine(algorithm, tmp_path):

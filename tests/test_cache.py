@@ -67,32 +67,50 @@ def cache(tmp_path, monkeypatch):
     drop = [old, stopped, _copy(copies_dir() / "smollm2-135m-c.safetensors", str(old)),
             _copy(copies_dir() / "gone-d.safetensors", str(tmp_path / "gone")),
             _copy(copies_dir() / "smollm2-135m-e.safetensors", None)]
+    keep.append(_split(root, current=True))
+    drop += [_split(root, current=False), _split(root, current=True, tmp=f".{DEAD_PID}.tmp")]
     return root, keep, drop
+
+
+def _split(root, current: bool, tmp: str = ""):
+    """A client split kept by ``fedspear.fl.partition``: computed with this install's libraries, or with another
+    flwr-datasets; ``tmp``: its writer's temporary file (``.<name>.<pid>.tmp``) instead."""
+    from fedspear.fl import partition
+
+    key = partition.split_key((0, 1) * 4, 2, 1.0, 1 if tmp else 0, "inner_dirichlet")
+    if not current:
+        key["versions"] = {**key["versions"], "flwr-datasets": "0.0.1"}
+    path = partition.split_path(key)
+    partition._write_split(path, key, ((0, 2, 4, 6), (1, 3, 5, 7)))
+    assert partition._read_split(path, key) == ((0, 2, 4, 6), (1, 3, 5, 7)) and path.parent == root / "splits"
+    if tmp:
+        path = path.rename(path.with_name(f".{path.name}{tmp}"))
+    return path
 
 
 def test_models_list_shows_the_cache_and_what_this_install_does_not_use(cache):
     root, keep, drop = cache
     out = runner.invoke(app, ["models", "list"])
     assert out.exit_code == 0, out.output
-    assert f"cache {root}:" in out.output and "in 8 entries" in out.output
+    assert f"cache {root}:" in out.output and "in 11 entries" in out.output
     for path in keep:
         line = next(line for line in out.output.splitlines() if str(path.relative_to(root)) + " " in line)
         assert line.endswith("(used)"), line
     for path in drop:
         line = next(line for line in out.output.splitlines() if str(path.relative_to(root)) + " " in line)
         assert "not used:" in line, line
-    assert "not used by this install:" in out.output and "in 5 entries (`fedspear models clean`" in out.output
+    assert "not used by this install:" in out.output and "in 7 entries (`fedspear models clean`" in out.output
 
 
 def test_models_clean_removes_only_what_this_install_cannot_reach(cache):
     root, keep, drop = cache
     dry = runner.invoke(app, ["models", "clean", "--dry-run"])
-    assert dry.exit_code == 0 and "would remove 5 entries" in dry.output
+    assert dry.exit_code == 0 and "would remove 7 entries" in dry.output
     assert all(p.exists() for p in keep + drop)
 
     done = runner.invoke(app, ["models", "clean"])
     assert done.exit_code == 0, done.output
-    assert "removed 5 entries" in done.output
+    assert "removed 7 entries" in done.output
     assert all(p.exists() for p in keep)
     assert not any(p.exists() for p in drop)
     assert not any(p.with_name(p.name + ".lock").exists() for p in drop if p.suffix == ".safetensors")
@@ -167,7 +185,7 @@ def test_clean_keeps_what_a_running_process_has_mapped_and_a_live_writers_tempor
         assert reader.stdout.readline().strip() == "mapped"
         done = runner.invoke(app, ["models", "clean"])
         assert done.exit_code == 0, done.output
-        assert f"kept: in use by process {reader.pid}" in done.output and "removed 4 entries" in done.output
+        assert f"kept: in use by process {reader.pid}" in done.output and "removed 6 entries" in done.output
         assert mapped.exists() and live.exists() and all(p.exists() for p in keep)
     finally:
         reader.communicate("", timeout=30)

@@ -95,3 +95,94 @@ def test_partition_summary_counts_sizes_and_labels():
     golds = [items[i].gold for i in parts[3]]
     assert summary["label_counts"][3] == [golds.count(label) for label in summary["labels"]]
     assert summary["min"] == min(summary["sizes"]) and summary["max"] == max(summary["sizes"])
+
+
+def _split_in_a_process(cache, labels, *args) -> dict:
+    """Run ``_partition(labels, *args)`` in a fresh Python with ``FEDSPEAR_CACHE=cache``: its split and whether it
+    imported flwr-datasets."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    code = ("import json, sys; from fedspear.fl.partition import _partition; "
+            f"parts = _partition(tuple({list(labels)!r}), *{args!r}); "
+            "print(json.dumps({'parts': parts, 'flwr_datasets': 'flwr_datasets' in sys.modules}))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                         env={**os.environ, "FEDSPEAR_CACHE": str(cache)})
+    assert out.returncode == 0, out.stderr[-2000:]
+    return json.loads(out.stdout.splitlines()[-1])
+
+
+def test_a_split_is_kept_in_the_cache_and_later_processes_read_it_without_flwr_datasets(tmp_path):
+    """The first process computes the split with flwr-datasets and keeps it (``$FEDSPEAR_CACHE/splits``); a second
+    process gets the same split without importing flwr-datasets; both equal flwr-datasets' split computed here."""
+    from fedspear.fl.partition import _flwr_partition
+
+    labels = [x.gold_index for x in arc_challenge.load("train")[:60]]
+    args = (4, 0.5, 7, "inner_dirichlet")
+    first = _split_in_a_process(tmp_path, labels, *args)
+    assert first["flwr_datasets"] and len(list((tmp_path / "splits").glob("*.json"))) == 1
+    second = _split_in_a_process(tmp_path, labels, *args)
+    assert not second["flwr_datasets"]
+    expected = [list(p) for p in _flwr_partition(tuple(labels), *args)]
+    assert first["parts"] == second["parts"] == expected
+
+
+def test_a_cached_split_is_keyed_by_its_inputs_and_library_versions(tmp_path, monkeypatch):
+    """Another seed, K, α, rule, label or library version is another cache file."""
+    from fedspear.fl import partition
+
+    monkeypatch.setenv("FEDSPEAR_CACHE", str(tmp_path))
+    labels = (0, 1, 2, 3) * 5
+    base = partition.split_path(partition.split_key(labels, 4, 1.0, 0, "inner_dirichlet"))
+    assert base.parent == tmp_path / "splits"
+    others = [partition.split_key(labels, 4, 1.0, 1, "inner_dirichlet"),
+              partition.split_key(labels, 5, 1.0, 0, "inner_dirichlet"),
+              partition.split_key(labels, 4, 0.5, 0, "inner_dirichlet"),
+              partition.split_key(labels, 4, 1.0, 0, "dirichlet"),
+              partition.split_key((1, 0, 2, 3) + labels[4:], 4, 1.0, 0, "inner_dirichlet")]
+    monkeypatch.setattr(partition, "split_versions", lambda: {"flwr-datasets": "0.0.1", "datasets": "1",
+                                                              "numpy": "1"})
+    others.append(partition.split_key(labels, 4, 1.0, 0, "inner_dirichlet"))
+    assert len({base, *map(partition.split_path, others)}) == 1 + len(others)
+
+
+@pytest.mark.parametrize("kept", ["truncated", "another key", "not every index", "duplicate index", "not json"])
+def test_a_cached_file_that_is_not_the_split_is_computed_again_and_replaced(kept, tmp_path, monkeypatch):
+    """A cache file that is not a complete split of these labels for this key (an interrupted writer, an edit, a
+    file of another key) is ignored: the split is flwr-datasets' and the file is rewritten with it."""
+    import json
+
+    from fedspear.fl import partition
+
+    monkeypatch.setenv("FEDSPEAR_CACHE", str(tmp_path))
+    labels, args = (0, 1, 2) * 6, (3, 1.0, 2, "inner_dirichlet")
+    key = partition.split_key(labels, *args)
+    path = partition.split_path(key)
+    path.parent.mkdir(parents=True)
+    expected = partition._flwr_partition(labels, *args)
+    good = json.dumps({"key": key, "parts": [list(p) for p in expected]})
+    bad = {"truncated": good[: len(good) // 2],
+           "another key": json.dumps({"key": {**key, "seed": 3}, "parts": [list(p) for p in expected]}),
+           "not every index": json.dumps({"key": key, "parts": [list(p) for p in expected[:2]] + [[]]}),
+           "duplicate index": json.dumps({"key": key, "parts": [[0, *expected[0][1:]], *map(list, expected[1:])]}),
+           "not json": "\0\1"}[kept]
+    path.write_text(bad)
+    assert partition._partition.__wrapped__(labels, *args) == expected
+    assert json.loads(path.read_text()) == json.loads(good)
+
+
+def test_a_failed_split_is_not_kept_and_an_unwritable_cache_still_splits(tmp_path, monkeypatch):
+    from fedspear.fl import partition
+
+    monkeypatch.setenv("FEDSPEAR_CACHE", str(tmp_path / "cache"))
+    items = arc_challenge.load("train")
+    with pytest.raises(PartitionError):
+        partition._partition.__wrapped__(tuple(x.gold_index for x in items), 50, 1.0, 0, "dirichlet")
+    assert not (tmp_path / "cache" / "splits").exists() or not list((tmp_path / "cache" / "splits").iterdir())
+    (tmp_path / "file").write_text("a file where the cache folder would be")
+    monkeypatch.setenv("FEDSPEAR_CACHE", str(tmp_path / "file"))
+    labels = (0, 1) * 10
+    assert partition._partition.__wrapped__(labels, 2, 1.0, 0, "inner_dirichlet") == \
+        partition._flwr_partition(labels, 2, 1.0, 0, "inner_dirichlet")

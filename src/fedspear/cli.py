@@ -956,8 +956,9 @@ def models_clean(
     dry_run: bool = typer.Option(False, "--dry-run", help="only list what would be removed"),
 ) -> None:
     """Remove what the cache holds that this install does not use: older exports, weight copies of folders that
-    are gone, joined GGUFs of uninstalled models, temporary files of stopped writers. What a running process has
-    open or mapped is kept; another fedspear install on this machine re-creates what it needs on its next run."""
+    are gone, joined GGUFs of uninstalled models, client splits made with other library versions, temporary files
+    of stopped writers. What a running process has open or mapped is kept; another fedspear install on this machine
+    re-creates what it needs on its next run."""
     from .runtime.cache import human_size, remove
 
     entries = _print_cache(clean_hint=False)

@@ -20,14 +20,32 @@ flwr-datasets partitioners read that:
   ``cpu-qwen1.5b`` presets pin it); when it cannot split, :class:`PartitionError` says so and names the fix.
 
 ``partition_summary`` gives the sizes and label counts a run directory records (``partitions.json``).
+
+**Decision (2026-12-03): splits are kept in fedspear's cache.** Computing a split means importing flwr-datasets, whose
+package imports its plotting and metrics modules (seaborn, scipy.stats) and ``datasets``: ≈ 1.9 s on a 2-core Zen 5
+with torch already loaded, paid by the command that checks the split before a run and again by every client process,
+for a computation of milliseconds. So a split, once computed, is written to ``$FEDSPEAR_CACHE/splits/<digest>.json``
+(``split_path``): the key is a SHA-256 of the labels, K, α, the seed, the rule and the versions of flwr-datasets,
+``datasets`` and numpy, so a cached split is the one those inputs and libraries give, and another version computes
+and keeps its own. A file that cannot be read back as a split of those labels (an interrupted writer, another
+format) is computed again and replaced; a cache that cannot be written costs the import, nothing else. Errors
+(``PartitionError``) are never kept.
 """
 
 from __future__ import annotations
 
+import hashlib
+import json
+import logging
+import os
 from functools import lru_cache
+from pathlib import Path
 from typing import Sequence
 
+from fedspear.runtime.cache import split_versions, splits_dir
 from fedspear.tasks.base import Example
+
+log = logging.getLogger(__name__)
 
 PARTITIONERS = ("inner_dirichlet", "dirichlet")
 
@@ -74,9 +92,74 @@ def partition_summary(examples: Sequence[Example], parts: Sequence[Sequence[int]
             "mean": sum(sizes) / len(sizes)}
 
 
+def split_key(labels: Sequence[int], num_partitions: int, alpha: float, seed: int, partitioner: str) -> dict:
+    """What a split depends on (module docstring, "splits are kept"): the labels in train order (their number and
+    the SHA-256 of their list), K, α, seed, rule and the installed versions of flwr-datasets, ``datasets`` and numpy
+    (``runtime.cache.split_versions``)."""
+    digest = hashlib.sha256(json.dumps([int(x) for x in labels]).encode()).hexdigest()
+    return {"items": len(labels), "labels": digest, "num_partitions": num_partitions, "alpha": float(alpha),
+            "seed": seed, "partitioner": partitioner, "versions": split_versions()}
+
+
+def split_path(key: dict) -> Path:
+    """The cache file of the split ``key`` names (``split_key``): ``<cache>/splits/<sha256 of key>.json``."""
+    digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()
+    return splits_dir() / f"{digest}.json"
+
+
+def _read_split(path: Path, key: dict) -> tuple[tuple[int, ...], ...] | None:
+    """The split kept at ``path`` for ``key``, or None when absent, unreadable, for another key or not a split of
+    ``key``'s labels into K parts (every index once)."""
+    try:
+        kept = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+    if not isinstance(kept, dict) or kept.get("key") != key:
+        return None
+    parts = kept.get("parts")
+    if (not isinstance(parts, list) or len(parts) != key["num_partitions"]
+            or not all(isinstance(p, list) and all(type(i) is int for i in p) for p in parts)
+            or sorted(i for p in parts for i in p) != list(range(key["items"]))):
+        return None
+    return tuple(tuple(p) for p in parts)
+
+
+def _write_split(path: Path, key: dict, parts: tuple[tuple[int, ...], ...]) -> None:
+    """Keep ``parts`` at ``path`` (written to ``.<name>.<pid>.tmp``, then renamed: readers see all or nothing); a
+    cache that cannot be written is logged and skipped."""
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp.write_text(json.dumps({"key": key, "parts": [list(p) for p in parts]}), encoding="utf-8")
+        os.replace(tmp, path)
+    except OSError as err:
+        log.debug("split not kept in the cache (%s)", err)
+        try:
+            tmp.unlink(missing_ok=True)
+        except OSError:
+            pass
+
+
 @lru_cache(maxsize=8)
 def _partition(labels: tuple[int, ...], num_partitions: int, alpha: float, seed: int,
                partitioner: str) -> tuple[tuple[int, ...], ...]:
+    """The split of ``labels``: from fedspear's cache, else computed with flwr-datasets and kept there."""
+    key = split_key(labels, num_partitions, alpha, seed, partitioner)
+    path = split_path(key)
+    parts = _read_split(path, key)
+    if parts is None:
+        parts = _flwr_partition(labels, num_partitions, alpha, seed, partitioner)
+        _write_split(path, key, parts)
+    return parts
+
+
+def _flwr_partition(labels: tuple[int, ...], num_partitions: int, alpha: float, seed: int,
+                    partitioner: str) -> tuple[tuple[int, ...], ...]:
+    """The split flwr-datasets' partitioner for ``partitioner`` draws (module docstring), as index tuples.
+
+    Raises:
+        PartitionError: ``"dirichlet"`` found no split meeting its minimum size.
+    """
     import warnings
 
     from datasets import Dataset

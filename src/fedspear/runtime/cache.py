@@ -1,12 +1,14 @@
 """What fedspear's cache (``$FEDSPEAR_CACHE`` or ``~/.cache/fedspear``) holds, and which of it this install uses.
 
-Three kinds of entries, all made on first use and never downloaded:
+Four kinds of entries, all made on first use and never downloaded:
 
 - ``models/<model>-<digest>``: a packaged model's export (``fedspear.runtime.model_zoo.export_path``: SmolLM2-135M
   ≈ 0.5 GiB, Qwen2.5-Coder-1.5B ≈ 6.6 GiB, fp32 safetensors);
 - ``gguf/<file>``: a split model's joined GGUF (Qwen2.5-Coder-1.5B: 1.04 GiB);
 - ``shared/<folder>-<digest>.safetensors``: a model folder's converted weights, mapped by every process of a run
-  (``fedspear.runtime.shared_copy``; Qwen2.5-Coder-1.5B ≈ 3.7 GiB), with its ``.lock``.
+  (``fedspear.runtime.shared_copy``; Qwen2.5-Coder-1.5B ≈ 3.7 GiB), with its ``.lock``;
+- ``splits/<digest>.json``: a client split computed with flwr-datasets (``fedspear.fl.partition``: a few KiB to
+  0.3 MiB), kept so that later processes need not import it.
 
 An entry is *not used by this install* when nothing this install loads can reach it: an export other than the one
 each installed model resolves to (an older package, or SmolLM2 exported by an older fedspear, which named exports
@@ -14,19 +16,41 @@ by the GGUF's path, one per environment), a split model's export and joined GGUF
 weight copy of a folder that is gone or is such an export (or that does not name its folder), and temporary files of
 writers that are gone. Such an entry is still *in use* while a running process has one of its files open or mapped
 (another fedspear install's run, say): ``fedspear models clean`` keeps it then, and removes the rest — a weight
-copy only while holding its lock, so no writer is between the lock and the rename. Another install re-creates what
-it needs on its next run (time, not data). Nothing here imports torch.
+copy only while holding its lock, so no writer is between the lock and the rename. A split is not used by this
+install when it was computed with other versions of ``SPLIT_LIBRARIES`` than those installed (or cannot be read).
+Another install re-creates what it needs on its next run (time, not data). Nothing here imports torch.
 """
 
 from __future__ import annotations
 
 import fcntl
+import json
 import shutil
 from dataclasses import dataclass
+from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 
 from .model_zoo import (PACKAGED_MODELS, SPLIT_MODELS, ModelError, cache_root, copies_dir, export_path,
                         left_by_a_dead_process)
+
+
+SPLIT_LIBRARIES = ("flwr-datasets", "datasets", "numpy")  # whose versions a cached client split depends on
+
+
+def splits_dir() -> Path:
+    """Where client splits are kept: ``<cache>/splits`` (``fedspear.fl.partition``)."""
+    return cache_root() / "splits"
+
+
+def split_versions() -> dict[str, str | None]:
+    """{library: installed version, or None} for each of ``SPLIT_LIBRARIES``."""
+    def installed(name: str) -> str | None:
+        try:
+            return version(name)
+        except PackageNotFoundError:
+            return None
+
+    return {name: installed(name) for name in SPLIT_LIBRARIES}
 
 
 @dataclass(frozen=True)
@@ -93,7 +117,8 @@ def copy_source(path: Path) -> str | None:
 
 def cache_entries() -> list[CacheEntry]:
     """Every entry of the cache with its size and whether this install uses it (the module docstring): exports,
-    joined GGUFs, weight copies, then temporary files, each sorted by path. An absent cache has none."""
+    joined GGUFs, weight copies, client splits, then temporary files, each sorted by path. An absent cache has
+    none."""
     root = cache_root().resolve()
     installed = installed_models()
     exports, ggufs, shared = root / "models", root / "gguf", copies_dir().resolve()
@@ -127,6 +152,16 @@ def cache_entries() -> list[CacheEntry]:
             why = ""
         entries.append(CacheEntry("weight copy", path, _size(path) + _size(lock), not why, why))
     temporary += sorted(shared.glob(".*.tmp")) if shared.is_dir() else []
+    splits, versions = splits_dir().resolve(), split_versions()
+    for path in sorted(splits.glob("*.json")) if splits.is_dir() else []:
+        try:
+            made_with = json.loads(path.read_text(encoding="utf-8"))["key"]["versions"]
+        except (OSError, ValueError, KeyError, TypeError):
+            made_with = None
+        why = "" if made_with == versions else ("unreadable" if made_with is None else "computed with other "
+                                                f"versions of {', '.join(SPLIT_LIBRARIES)} than those installed")
+        entries.append(CacheEntry("client split", path, _size(path), not why, why))
+    temporary += sorted(splits.glob(".*.tmp")) if splits.is_dir() else []
     for path in temporary:
         dead = left_by_a_dead_process(path)
         entries.append(CacheEntry("temporary", path, _size(path), not dead, "left by a writer that is gone" if dead

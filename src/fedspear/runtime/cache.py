@@ -55,9 +55,9 @@ def split_versions() -> dict[str, str | None]:
 
 @dataclass(frozen=True)
 class CacheEntry:
-    """One file or folder of the cache: ``kind`` (export | joined GGUF | weight copy | temporary), its path, its
-    size in bytes (a weight copy with its lock file), whether this install uses it, and why not (or which process
-    has it open when it is kept for that)."""
+    """One file or folder of the cache: ``kind`` (export | joined GGUF | weight copy | client split | temporary),
+    its path, its size in bytes (a weight copy with its lock file), whether this install uses it, and why not (or
+    which process has it open when it is kept for that)."""
 
     kind: str
     path: Path

@@ -945,14 +945,13 @@ def _print_cache(clean_hint: bool) -> list:
     def state(e) -> str:
         return ("used" if not e.why else f"kept: {e.why}") if e.used else f"not used: {e.why}"
 
-    for e in entries:
-        if e.kind != "client split":
-            print(f"  {human_size(e.size):>9s}  {e.kind:12s} {e.path.relative_to(root)}  ({state(e)})")
     # client splits (a few KiB each, one per task, K, α and seed a run used) are counted, one line per state
     splits: dict[str, list] = {}
     for e in entries:
         if e.kind == "client split":
             splits.setdefault(state(e), []).append(e)
+        else:
+            print(f"  {human_size(e.size):>9s}  {e.kind:12s} {e.path.relative_to(root)}  ({state(e)})")
     for text, group in splits.items():
         folder = group[0].path.parent.relative_to(root)
         print(f"  {human_size(sum(e.size for e in group)):>9s}  {'client split':12s} {folder}/ × {len(group)}  "

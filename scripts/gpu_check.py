@@ -279,9 +279,40 @@ def client_round(args) -> int:
              f"{row.get('tokens_generated', 0):.0f} tokens generated"
              + (f", peak GPU memory {row['peak_gpu_gib']:.1f} GiB" if gpu else ""))
         write(None)
+    decode = None
     if not args.no_decode:
-        write(decode_step(worker, args.decode_batch, 8 if args.small else 200, 8 if args.small else 64))
+        decode = decode_step(worker, args.decode_batch, 8 if args.small else 200, 8 if args.small else 64)
+        write(decode)
+    if args.eval_items:
+        try:  # a diagnostic after the rounds: never fails the step
+            decode = {**(decode or {}), "evaluation": evaluation_batches(worker, cfg, args.eval_items)}
+            write(decode)
+        except Exception as err:  # noqa: BLE001 - say why and go on
+            _say(f"evaluation not timed: {type(err).__name__}: {err}")
     return 0
+
+
+def evaluation_batches(worker, cfg, items: int) -> list[dict]:
+    """The server's evaluation on ``worker``'s model (the rounds' process: the compiled decode warm) — greedy answers
+    to the first ``items`` held-out items of ``eval_items``' order under the run's token budget, once with
+    ``eval_batch_size = 32`` (the default before ``"auto"``) and once with ``"auto"`` (on a GPU sized by its memory,
+    ``runtime.generation.eval_batch_rows``; the first call at a new batch also records its CUDA graph) → per call
+    ``{"setting", "batch_size", "seconds", "tokens"}``. A random model's answers run to the budget: the worst case."""
+    from fedspear.evaluation import eval_items, evaluate
+    from fedspear.tasks import get_task, load_split
+
+    task = get_task(cfg.task)
+    examples = eval_items(load_split(cfg, task.EVAL_SPLIT)[0], items, 0)
+    rows = []
+    for setting in (32, "auto"):
+        answers: list = []
+        metrics = evaluate(worker.model, worker.tokenizer, examples, task, dtype_used=worker.dtype_used,
+                           loglik=False, batch_size=setting, max_new_tokens=cfg.max_new_tokens, answers=answers)
+        rows.append({"setting": setting, "batch_size": metrics["batch_size"], "seconds": metrics["seconds_evaluate"],
+                     "tokens": sum(a["tokens"] for a in answers)})
+        _say(f"evaluation of {len(examples)} {cfg.task} items, eval_batch_size = {setting}: batches of "
+             f"{metrics['batch_size']}, {metrics['seconds_evaluate']:.1f} s, {rows[-1]['tokens']} tokens")
+    return rows
 
 
 def wait_for_parties(folder: Path, round_: int, client: int, parties: int, timeout: float = 900.0) -> None:
@@ -623,7 +654,7 @@ def summary(args) -> int:
                 f"{r.get('seconds_train', 0):.1f} s, {r.get('tokens_generated', 0):.0f} tokens"
                 + (f", peak {r['peak_gpu_gib']:.1f} GiB" if r.get("peak_gpu_gib") else "") + ")" for r in rounds))
             d = out[name].get("decode")
-            if d:
+            if d and "ms_per_step" in d:
                 how = "compiled" if d["compiled"] else "eager"
                 lines.append(f"{name} decode afterwards at batch {d['batch']}: {d['ms_per_step']:.1f} ms per step "
                              f"({how}; first call {d['first_call_seconds']:.1f} s)"
@@ -638,6 +669,9 @@ def summary(args) -> int:
                     lines.append(f"{name} sampled calls: {syncs['syncs_half']} and {syncs['syncs']} host "
                                  f"synchronisations, {syncs['per_step']:.2f} per decode step (" + ", ".join(
                                      f"{k} ×{v}" for k, v in syncs["where"][:5]) + ")")
+            for e in (d or {}).get("evaluation", []):
+                lines.append(f"{name} evaluation, eval_batch_size = {e['setting']}: batches of {e['batch_size']}, "
+                             f"{e['seconds']:.1f} s for {e['tokens']} tokens")
             prof = (d or {}).get("profile")
             if prof:
                 lines.append(f"{name} decode profiled: {prof['wall_ms_per_step']:.1f} ms of wall time per step, "
@@ -699,6 +733,8 @@ def main() -> int:
     p = sub.add_parser("round", parents=[rounds])
     p.add_argument("--decode-batch", type=int, default=32, help="rows of the decode timed after the rounds")
     p.add_argument("--no-decode", action="store_true", help="no decode timing after the rounds")
+    p.add_argument("--eval-items", type=int, default=0,
+                   help="then time an evaluation of this many held-out items at batch 32 and at eval_batch_size=auto")
     p.add_argument("--client", type=int, default=0, help="which share of the prompts (0: the first)")
     p.add_argument("--barrier", help="a folder: start each round together with --parties processes")
     p.add_argument("--parties", type=int, default=1)

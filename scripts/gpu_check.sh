@@ -21,7 +21,8 @@
 #                   5 steps × 16) with compile_decode = on (round 1 includes compiling, round 2 is warm), then their
 #                   decode step timed at batch 32 (again with every dynamo guard checked on every step) and
 #                   profiled (kernel time against wall time per step; torch's graph-break, recompile and CUDA-graph
-#                   hints in the log); skipped where fedspear has no such key
+#                   hints in the log), then an evaluation of EVAL_ITEMS (default 128; 0: none) held-out items at
+#                   eval_batch_size 32 and "auto" (≈ 20 s on a GPU); skipped where fedspear has no such key
 #   5. clients      a 5-client round: the same two rounds in 5 processes at once on the one GPU, each its own model
 #                   and share of the prompts, each round started together (what Flower's simulation does with
 #                   client_gpus = 0.2, without Ray, which cannot be carried); compile_decode = on, inductor's cache
@@ -152,8 +153,9 @@ export HAS_COMPILE  # flwr_run reads it in its own shell
 SMALL=$([ "$MODE" = dry ] && echo --small)
 if [ -n "$MODEL" ] && [ "$HAS_COMPILE" = 1 ]; then
   TORCH_LOGS=${TORCH_LOGS:-graph_breaks,recompiles,perf_hints} \
-    step round-compiled 330 "$PY" scripts/gpu_check.py round --model "$MODEL" --task strategy_qa --rounds 2 $SMALL \
-    --set compile_decode=on --out "$RES/round-compiled.json" || true
+    step round-compiled 350 "$PY" scripts/gpu_check.py round --model "$MODEL" --task strategy_qa --rounds 2 $SMALL \
+    --set compile_decode=on --eval-items "${EVAL_ITEMS:-$([ "$MODE" = dry ] && echo 8 || echo 128)}" \
+    --out "$RES/round-compiled.json" || true
 elif [ -n "$MODEL" ]; then
   skip round-compiled "this fedspear has no compile_decode key (the compiled decode is not merged yet)"
 else

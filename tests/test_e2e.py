@@ -64,6 +64,7 @@ def test_run_writes_metrics_report_plots_and_resumes(tmp_path):
     r0 = records[0]["eval"]
     assert r0["n"] == 8 and 0 <= r0["acc_gen"] <= 1 and r0["acc_gen_low"] <= r0["acc_gen"] <= r0["acc_gen_high"]
     assert 0 <= r0["acc_ll"] <= 1 and r0["acc_ll_low"] <= r0["acc_ll"] <= r0["acc_ll_high"]
+    assert r0["batch_size"] == 32  # eval_batch_size = "auto" on a CPU
     assert records[0]["dtype"] in ("bf16", "fp32")
     for r in records[1:]:
         assert r["prompts"] == 4 and r["clients_ok"] == 1 and r["clients_failed"] == 0

@@ -52,6 +52,27 @@ def test_generation_on_a_subset_log_likelihood_on_all(tiny, arc_items):
         key: v for key, v in head.items() if key.startswith("pred_")}
 
 
+def test_the_evaluation_records_the_batch_it_decoded_at(tiny, arc_items, monkeypatch):
+    """``batch_size = "auto"`` decodes 32 answers at a time on a CPU (``eval_batch_rows``), a number as many as it
+    says; the evaluation returns the batch its generation was given."""
+    from fedspear import evaluation
+
+    model, tok = tiny
+    given = []
+
+    def spy(*args, **kwargs):
+        given.append(kwargs["batch_size"])
+        return generate(*args, **kwargs)
+
+    generate = evaluation.generate
+    monkeypatch.setattr(evaluation, "generate", spy)
+    auto = evaluation.evaluate(model, tok, arc_items, arc_challenge, batch_size="auto", max_new_tokens=2)
+    three = evaluation.evaluate(model, tok, arc_items, arc_challenge, batch_size=3, max_new_tokens=2)
+    assert given == [32, 3] and (auto["batch_size"], three["batch_size"]) == (32, 3)
+    only_ll = evaluation.evaluate(model, tok, arc_items, arc_challenge, generation=False)
+    assert "batch_size" not in only_ll and given == [32, 3]  # no generation, no batch of answers
+
+
 def test_length_sorted_loglik_batches_keep_the_item_order(tiny):
     """Batches are formed by prompt length; each prediction still belongs to its own item. A stand-in model
     prefers the label given by the prompt's real length (mod 4), so any mix-up of rows changes the answers."""

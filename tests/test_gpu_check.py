@@ -57,9 +57,14 @@ def test_a_paper_preset_round_on_a_random_model_of_an_exports_shape(tmp_path):
     assert json.loads((model / "config.json").read_text())["num_hidden_layers"] == 2
     out = tmp_path / "round.json"
     cache = {"FEDSPEAR_CACHE": str(tmp_path / "cache")}  # this folder's weight copy: not in the user's cache
-    proc = _steps("round", "--model", str(model), "--rounds", "1", "--small", "--out", str(out), env=cache)
+    proc = _steps("round", "--model", str(model), "--rounds", "1", "--small", "--eval-items", "6", "--out", str(out),
+                  env=cache)
     assert proc.returncode == 0, proc.stderr[-3000:]
     result = json.loads(out.read_text())
+    # then the server's evaluation of 6 held-out items at batch 32 and at "auto" (32 on a CPU: the same answers)
+    fixed, auto = result["decode"]["evaluation"]
+    assert (fixed["setting"], auto["setting"]) == (32, "auto") and fixed["batch_size"] == auto["batch_size"] == 32
+    assert fixed["tokens"] == auto["tokens"] > 0 and fixed["seconds"] > 0 and auto["seconds"] > 0
     (row,) = result["rounds"]
     assert result["prompts"] == 4 and row["steps"] >= 1 and row["tokens_generated"] > 0
     assert result["config"]["max_revisions"] == "2" and result["config"]["task"] == "strategy_qa"
@@ -153,7 +158,9 @@ def test_summary_gathers_every_step(tmp_path):
                    "all_guards_ms_per_step": 13.25, "warm_guards_ms_per_step": 11.0,
                    "every_step_stop_check_ms_per_step": 11.75, "deferred_stop_check_ms_per_step": 7.5,
                    "host_syncs": {"syncs": 5, "syncs_half": 5, "per_step": 0.0,
-                                  "where": [["generation.py:203", 4], ["utils.py:3160", 1]]}}}))
+                                  "where": [["generation.py:203", 4], ["utils.py:3160", 1]]},
+                   "evaluation": [{"setting": 32, "batch_size": 32, "seconds": 14.25, "tokens": 32768},
+                                  {"setting": "auto", "batch_size": 128, "seconds": 4.5, "tokens": 32768}]}}))
     (tmp_path / "clients.json").write_text(json.dumps({"clients": 5, "prompts": 32, "overrides": {
         "compile_decode": "on"}, "rounds": [{"round": 1, "wall_seconds": 100.0}, {"round": 2, "wall_seconds": 40.0}]}))
     (tmp_path / "bench.json").write_text(json.dumps({"throughput": {
@@ -180,6 +187,8 @@ def test_summary_gathers_every_step(tmp_path):
             "alternating, 7.5 ms with the stop check deferred, 11.8 ms with it read every step") in text
     assert ("round-compiled sampled calls: 5 and 5 host synchronisations, 0.00 per decode step (generation.py:203 "
             "×4, utils.py:3160 ×1)") in text
+    assert "round-compiled evaluation, eval_batch_size = 32: batches of 32, 14.2 s for 32768 tokens" in text
+    assert "round-compiled evaluation, eval_batch_size = auto: batches of 128, 4.5 s for 32768 tokens" in text
     assert "| decode at batch 32 ≤ 12 ms per step (compiled) | 55.7 ms | 11.5 ms | yes |" in text
     assert "round-eager decode profiled: 50.0 ms of wall time per step, 4.25 ms of it in 1200 GPU kernels" in text
     assert "round-eager decode's host time per step, most first: aten::sort 3.00 ms, cudaGraphLaunch 0.25 ms" in text

@@ -98,3 +98,92 @@ def test_client_gpus_sets_how_many_clients_share_a_gpu(gpus, share, actors, monk
 def test_client_gpus_out_of_range_is_refused_by_name(value):
     with pytest.raises(ConfigError, match="client_gpus"):
         RunConfig(client_gpus=value)
+
+
+def _card(monkeypatch, mib: int):
+    """Make ``eval_batch_rows`` see a CUDA device of ``mib`` MiB of memory (no GPU needed: it reads only the
+    device's type and its total memory)."""
+    from fedspear.runtime import generation
+
+    monkeypatch.setattr(generation, "model_device", lambda model: torch.device("cuda", 0))
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device: SimpleNamespace(total_memory=mib * 2**20))
+
+
+def _shaped(config, dtype=torch.bfloat16):
+    """A stand-in for a model of ``config``'s shape with its embeddings in ``dtype`` (what ``eval_batch_rows``
+    reads: the config and the element size)."""
+    embeddings = SimpleNamespace(weight=torch.empty(0, dtype=dtype))
+    return SimpleNamespace(config=config, get_input_embeddings=lambda: embeddings)
+
+
+def test_the_kv_cache_of_a_row_by_hand():
+    """Qwen2.5-1.5B: 2 (keys, values) · 28 layers · 2 key/value heads · 128 · 2 bytes = 28,672 B a position; a
+    row of 768: 22,020,096 B. A config without head_dim takes hidden / heads (tiny: 64 / 4 = 16)."""
+    from fedspear.runtime.generation import kv_cache_bytes
+
+    assert kv_cache_bytes(QWEN_1_5B, 1) == 28_672
+    assert kv_cache_bytes(QWEN_1_5B, 768) == 22_020_096
+    assert kv_cache_bytes(QWEN_1_5B, 768, value_bytes=4) == 44_040_192
+    tiny = SimpleNamespace(hidden_size=64, num_attention_heads=4, num_key_value_heads=2, num_hidden_layers=2)
+    assert kv_cache_bytes(tiny, 10) == 2 * 2 * 2 * 16 * 2 * 10
+
+
+@pytest.mark.parametrize(("mib", "positions", "dtype", "rows"), [
+    (81_559, 300, torch.bfloat16, 256),   # H100, StrategyQA-like: cache of 512 positions, 5.35 GB / 14.7 MB = 364
+    (81_559, 600, torch.bfloat16, 128),   # 768 positions: 242
+    (81_559, 1_000, torch.bfloat16, 128),  # 1,024 positions: 182
+    (81_559, 600, torch.float32, 64),     # fp32 cache: 121
+    (143_771, 600, torch.bfloat16, 256),  # H200: 427, capped at 256
+    (16_384, 600, torch.bfloat16, 32),    # a 16 GiB card: 1 GiB / 22.0 MB = 48
+    (256, 600, torch.bfloat16, 1),        # 16 MiB for a 22 MB row: fewer than 1, still 1
+])
+def test_eval_batch_auto_on_a_gpu_sizes_the_kv_cache_to_a_sixteenth_of_the_card(monkeypatch, mib, positions, dtype,
+                                                                                rows):
+    """``eval_batch_size = "auto"`` on a GPU: the largest power of two up to 256 whose KV cache over the compiled
+    decode's cache length (positions rounded up to 256) fits in 1/16 of the card's memory, at least 1."""
+    from fedspear.runtime.generation import GPU_CACHE_SHARE, GPU_EVAL_BATCH_MAX, eval_batch_rows
+
+    assert (GPU_CACHE_SHARE, GPU_EVAL_BATCH_MAX) == (1 / 16, 256)
+    _card(monkeypatch, mib)
+    assert eval_batch_rows("auto", _shaped(QWEN_1_5B, dtype), positions) == rows
+    assert eval_batch_rows(24, _shaped(QWEN_1_5B, dtype), positions) == 24  # a number is kept as it is, GPU or not
+
+
+def test_eval_batch_auto_on_the_cpu_is_the_default_before_auto():
+    """On a CPU ``"auto"`` is 32, what every run and committed result used before it; a number stays; anything
+    else is refused by name."""
+    from fedspear.runtime.generation import CPU_EVAL_BATCH, eval_batch_rows
+
+    model, _ = tiny_model()
+    assert CPU_EVAL_BATCH == 32
+    assert eval_batch_rows("auto", model, 10_000) == 32
+    assert eval_batch_rows(7, model, 10) == 7
+    for bad in (0, -1, "max", 2.0, True):
+        with pytest.raises(ValueError, match="eval_batch_size"):
+            eval_batch_rows(bad, model, 10)
+
+
+def test_eval_batch_size_takes_auto_or_a_number_in_range():
+    assert RunConfig().eval_batch_size == "auto"
+    assert RunConfig(eval_batch_size=64).eval_batch_size == 64
+    for bad, message in ((0, "out of range"), (1025, "out of range"), ("max", 'integer or "auto"'),
+                         (32.0, 'integer or "auto"'), (True, 'integer or "auto"')):
+        with pytest.raises(ConfigError, match=f"eval_batch_size.*{message}"):
+            RunConfig(eval_batch_size=bad)
+
+
+@pytest.mark.gpu
+def test_an_evaluation_on_a_gpu_records_the_batch_auto_chose():
+    """On a real GPU the tiny model's evaluation decodes at the batch ``eval_batch_rows`` picks for the card, a power
+    of two up to 256 (the tiny model's cache is a few KB a row, so any card holds the cap), and records it."""
+    from fedspear.evaluation import evaluate
+    from fedspear.runtime.generation import eval_batch_rows
+    from fedspear.tasks import get_task, load_split
+
+    model, tok = tiny_model()
+    model = add_lora(model.to("cuda"), LoraSettings(r=4, alpha=8, dropout=0.0))
+    task = get_task("arc_challenge")
+    items, _ = load_split(RunConfig(task="arc_challenge", device="cuda"), "test")
+    out = evaluate(model, tok, items[:40], task, dtype_used="bf16", batch_size="auto", max_new_tokens=4)
+    assert out["batch_size"] == eval_batch_rows("auto", model, 4_000) == 256
+    assert out["n"] == 40

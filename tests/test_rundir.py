@@ -109,6 +109,11 @@ def test_other_settings_are_refused(tmp_path):
     run.check_or_write_config(RunConfig(output_dir="elsewhere").resolved())  # where it lives may change
     # how it decodes may change too: a run whose compiled decode fails resumes with it off, as the error says
     run.check_or_write_config(RunConfig(compile_decode="off").resolved())
+    # and how many held-out answers decode together: a run saved with 32 (the default before "auto") resumes under it
+    saved = RunDir(tmp_path / "before-auto")
+    saved.check_or_write_config(RunConfig(eval_batch_size=32).resolved())
+    saved.check_or_write_config(RunConfig().resolved())
+    assert saved.saved_config().eval_batch_size == 32
 
 
 def test_initial_accuracy_counts_first_answers_not_prompts():

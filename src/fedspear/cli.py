@@ -565,6 +565,7 @@ def _eval_lm_eval(cfg: RunConfig, adapter: Path | None, round_: int | None, targ
     (``fedspear.experiments.harness``)."""
     from .evaluation import wilson_interval
     from .experiments.harness import evaluate_lm_eval, harness_split
+    from .runtime.generation import CPU_EVAL_BATCH
     from .runtime.model_zoo import TINY_MODEL, resolve_model_dir
     from .runtime.model import resolve_device, resolve_dtype
 
@@ -577,8 +578,11 @@ def _eval_lm_eval(cfg: RunConfig, adapter: Path | None, round_: int | None, targ
     check_output(output, "-o", folder=False)
     device = resolve_device(cfg.device)
     dtype = resolve_dtype(cfg.dtype, device)
+    # eval_batch_size = "auto": 32 on a CPU as fedspear's own evaluation; on a GPU lm-eval's own "auto" (the largest
+    # batch its trial runs fit)
+    batch = cfg.eval_batch_size if cfg.eval_batch_size != "auto" else "auto" if device == "cuda" else CPU_EVAL_BATCH
     result = evaluate_lm_eval(resolve_model_dir(cfg.model), cfg.task, adapter, data_dir=cfg.data_dir, limit=limit,
-                              batch_size=cfg.eval_batch_size, dtype=dtype, device=device)
+                              batch_size=batch, dtype=dtype, device=device)
     import lm_eval
 
     split = expected

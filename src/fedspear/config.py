@@ -617,13 +617,15 @@ class RunConfig:
             "also measure greedy-generation accuracy",
         ),
     )
-    eval_batch_size: int = field(
-        default=32,
+    eval_batch_size: int | str = field(
+        default="auto",
         metadata=_meta(
-            "held-out items generated (or scored) together; larger batches answer faster on a CPU, padding may shift"
-            " a bf16 answer by a token",
+            "held-out items generated (or scored) together: auto = 32 on a CPU and, on a GPU, as many as a KV cache"
+            " of 1/16 of its memory holds (a power of two up to 256; runtime.generation.eval_batch_rows); a"
+            " different batch may shift a bf16 answer by a token",
             min=1,
             max=1024,
+            auto=True,
         ),
     )
     # data and output
@@ -823,7 +825,13 @@ def _check(f: dataclasses.Field, value: Any) -> None:
         if "None" in str(f.type):
             return
         raise ConfigError(f"{name}: a value is required")
+    if meta.get("auto") and value == "auto":
+        return
     kind = str(f.type).replace(" | None", "")
+    if meta.get("auto"):  # an integer, or the string "auto"
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise ConfigError(f"{name}: expected an integer or \"auto\", got {value!r}")
+        kind = "int"
     if kind == "bool":
         if not isinstance(value, bool):
             raise ConfigError(f"{name}: expected true or false, got {value!r}")

@@ -25,7 +25,7 @@ import torch
 
 from . import progress
 from .health import eval_health
-from .runtime.generation import generate, host_columns, shared_prefix_length
+from .runtime.generation import eval_batch_rows, generate, host_columns, shared_prefix_length
 from .interaction import render
 from .runtime.model import autocast, model_device, pad_id
 from .tasks.base import Example
@@ -157,7 +157,7 @@ def loglik_predictions(model, tokenizer, examples: Sequence[Example], task, *, d
 
 
 def evaluate(model, tokenizer, examples: Sequence[Example], task, *, dtype_used: str = "fp32",
-             generation: bool = True, loglik: bool = True, batch_size: int = 32,
+             generation: bool = True, loglik: bool = True, batch_size: int | str = 32,
              max_new_tokens: int | None = None, generation_size: int = 0,
              answers: list | None = None) -> dict[str, float | str]:
     """Accuracy of ``model`` on ``examples``.
@@ -168,6 +168,9 @@ def evaluate(model, tokenizer, examples: Sequence[Example], task, *, dtype_used:
 
     ``max_new_tokens`` bounds each greedy answer (default: the task's ``MAX_NEW_TOKENS``; runs pass their own
     ``max_new_tokens`` so evaluation answers under the same budget as the clients).
+
+    ``batch_size``: answers generated together, a number or ``"auto"`` (``runtime.generation.eval_batch_rows``: 32
+    on a CPU, on a GPU by its memory); the number used is returned as ``batch_size``.
 
     Returns:
         ``n``, and for each metric computed (``acc_gen``; ``acc_ll`` for multiple choice): the accuracy, its
@@ -200,10 +203,11 @@ def evaluate(model, tokenizer, examples: Sequence[Example], task, *, dtype_used:
         # the label tokens' are kept (a [V] row per item would hold 0.6 MB each with Qwen2.5)
         first: list[torch.Tensor] | None = [] if loglik and task.MULTIPLE_CHOICE else None
         columns = [label_token_ids(tokenizer, ex.labels) for ex in examples] if first is not None else None
+        budget = max_new_tokens or task.MAX_NEW_TOKENS
+        out["batch_size"] = rows = eval_batch_rows(batch_size, model, max(map(len, contexts)) + budget)
         with progress.phase("evaluation: generation"):
-            completions = generate(model, tokenizer, contexts, max_new_tokens=max_new_tokens or task.MAX_NEW_TOKENS,
-                                   dtype_used=dtype_used, do_sample=False, batch_size=batch_size, first_logits=first,
-                                   first_columns=columns)
+            completions = generate(model, tokenizer, contexts, max_new_tokens=budget, dtype_used=dtype_used,
+                                   do_sample=False, batch_size=rows, first_logits=first, first_columns=columns)
         predictions = [ex.labels[int(logits.argmax())] for logits, ex in zip(first or [], examples)]
         texts = [tokenizer.decode(c, skip_special_tokens=True) for c in completions]
         labels_gen = [task.extract_answer(t, ex) for t, ex in zip(texts, examples)]

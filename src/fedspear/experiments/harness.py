@@ -79,13 +79,15 @@ def task_config(task: str, data_dir: str | None = None) -> dict[str, Any]:
 
 
 def evaluate_lm_eval(model_dir: str | Path, task: str, adapter: str | Path | None = None, *,
-                     data_dir: str | None = None, limit: int | None = None, batch_size: int = 16,
+                     data_dir: str | None = None, limit: int | None = None, batch_size: int | str = 16,
                      dtype: str = "fp32", device: str = "cpu") -> dict[str, Any]:
     """Score the model (with ``adapter`` when given) on ``task`` with lm-eval, offline.
 
     ``dtype``: ``fp32`` or ``bf16`` (the weights lm-eval's ``hf`` model loads, ``dtype=float32 | bfloat16``);
     ``device``: ``cpu`` or ``cuda`` (lm-eval's ``device=``);
-    ``limit``: score only the first ``limit`` documents of the split (lm-eval's ``--limit``).
+    ``limit``: score only the first ``limit`` documents of the split (lm-eval's ``--limit``);
+    ``batch_size``: documents scored together, or ``"auto"``: lm-eval finds the largest that fits (its
+    ``--batch_size``).
 
     Returns:
         ``n``, ``acc``, ``acc_norm`` (fractions), their standard errors (``acc_stderr``, ``acc_norm_stderr``, from

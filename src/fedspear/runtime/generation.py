@@ -10,7 +10,7 @@ import numpy as np
 import torch
 
 from .. import progress
-from .compiled import batch_bucket, compiled_decode, defers_stop_check
+from .compiled import batch_bucket, cache_bucket, compiled_decode, defers_stop_check
 from .cpu_kernels import preallocated_cache
 from .model import autocast, merged_adapter, model_device, pad_id
 from .sampling import OTHER_WARPERS, sampler_for
@@ -42,6 +42,53 @@ def shared_prefix_length(contexts: Sequence[Sequence[int]]) -> int:
     while n < limit and all(c[n] == first[n] for c in contexts):
         n += 1
     return n
+
+
+CPU_EVAL_BATCH = 32  # rows; eval_batch_size = "auto" on a CPU (its default before "auto", the committed results')
+GPU_EVAL_BATCH_MAX = 256  # rows; eval_batch_size = "auto" on a GPU decodes at most this many answers together
+GPU_CACHE_SHARE = 1 / 16  # of a GPU's memory: what one evaluation batch's KV cache may take under "auto"
+
+
+def kv_cache_bytes(config, positions: int, value_bytes: int = 2) -> int:
+    """Bytes of one row's KV cache over ``positions`` positions: keys and values (2) · layers · key/value heads ·
+    head dimension · ``value_bytes`` (2 in bf16). Qwen2.5-1.5B (28 layers, 2 key/value heads of 128): 28,672 B a
+    position in bf16, 22.0 MB for a row of 768."""
+    heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    return 2 * config.num_hidden_layers * heads * head_dim * value_bytes * positions
+
+
+def eval_batch_rows(setting: int | str, model, positions: int) -> int:
+    """How many answers ``eval_batch_size = setting`` decodes together on ``model``'s device, for answers of up to
+    ``positions`` positions (prompt + new tokens): a number as it is; ``"auto"``: ``CPU_EVAL_BATCH`` on a CPU and,
+    on a CUDA GPU, the largest power of two up to ``GPU_EVAL_BATCH_MAX`` whose KV cache over the compiled decode's
+    cache length (``kv_cache_bytes`` at ``runtime.compiled.cache_bucket(positions)``, in the model's precision) takes
+    at most ``GPU_CACHE_SHARE`` of the card's memory, at least 1.
+
+    On a GPU a decode step of a small batch waits on the host, not on the GPU (Qwen2.5-1.5B's shape on an H200,
+    compiled: 13.8 ms a step at batch 32, where its weights stream in 0.8 ms; ``docs/performance.md``), so fewer,
+    larger batches answer an evaluation in fewer steps: 500 StrategyQA items in 2 batches of 256 instead of 16 of 32.
+    The cap keeps a step inside that regime (at 256 rows its weights, cache reads and matmuls come to a few ms on
+    an H100: an estimate from the bounds, not measured). The card's total memory decides, not what is free at the
+    time, so one machine evaluates every round of a run at one batch size; a compiled decode keeps each batch's
+    cache for the process's life (``runtime.compiled``), and 1/16 leaves the rest to the model, the prefill's
+    activations and the clients that share the card. Qwen2.5-1.5B on an H100 (81,559 MiB; 1/16 is 5.3 GB): 364 rows
+    of 512 positions (14.7 MB each) → 256, 242 of 768 → 128.
+
+    Raises:
+        ValueError: ``setting`` is neither a positive number nor ``"auto"``.
+    """
+    if setting != "auto":
+        if isinstance(setting, bool) or not isinstance(setting, int) or setting < 1:
+            raise ValueError(f"eval_batch_size must be a positive integer or \"auto\" (got {setting!r})")
+        return setting
+    device = model_device(model)
+    if device.type != "cuda":
+        return CPU_EVAL_BATCH
+    value_bytes = model.get_input_embeddings().weight.element_size()
+    per_row = kv_cache_bytes(model.config, cache_bucket(positions), value_bytes)
+    fits = int(GPU_CACHE_SHARE * torch.cuda.get_device_properties(device).total_memory // per_row)
+    return 1 << (max(1, min(GPU_EVAL_BATCH_MAX, fits)).bit_length() - 1)
 
 
 MERGE_UP_TO = 1_000_000_000  # parameters; larger models are not merged for generation by default

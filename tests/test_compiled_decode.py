@@ -310,6 +310,22 @@ def test_client_rounds_with_training_between_compile_once(counting, monkeypatch,
     assert _answers(worker.model, worker.tokenizer, contexts, "fp32") == compiled_answers
 
 
+def test_a_compiled_decode_keeps_no_rows_and_runs_every_token(counting, monkeypatch, arc_items):
+    """A compiled decode's static cache is zeroed by its next call, so ``keep`` gets None per context, and rows kept
+    by an eager call (``cached``) are not copied in: the whole context runs, as without them."""
+    monkeypatch.setattr(compiled, "BACKEND", counting)
+    model, tok, dtype_used = _model("fp32")
+    contexts = _contexts(tok, arc_items)
+    rows: list = []
+    _answers(model, tok, contexts, dtype_used, keep=rows)  # eager: a row per context
+    assert len(rows) == len(contexts) and all(r is not None for r in rows)
+    use_compiled_decode(model, "on", backend=counting)
+    kept: list = []
+    plain = _answers(model, tok, contexts, dtype_used, keep=kept)
+    assert kept == [None] * len(contexts) and counting.calls > 0
+    assert _answers(model, tok, contexts, dtype_used, cached=rows) == plain
+
+
 def test_batch_sizes_of_one_bucket_share_a_graph(counting, arc_items):
     """(c) 3 and 4 contexts both run as 4 rows: one compilation (without buckets the batch dimension would change
     and recompile); 5 contexts (8 rows) compile again — the count sees a recompilation when there is one. The 3

@@ -45,6 +45,89 @@ def test_generation_with_the_shared_prefix_cached_matches_plain_generation(tiny,
     assert len(sampled) == len(contexts) and all(0 < len(s) <= 6 for s in sampled)
 
 
+def test_reusable_length_by_hand():
+    """The common prefix of a context and a kept row, never the whole context (one token must still run)."""
+    from fedspear.runtime.generation import CachedRow, reusable_length
+
+    row = CachedRow((1, 2, 3, 4, 5), [], [])
+    assert reusable_length([1, 2, 3, 9, 9], row) == 3
+    assert reusable_length([1, 2, 3, 4, 5, 6, 7], row) == 5  # the whole row
+    assert reusable_length([1, 2, 3], row) == 2  # the whole context but its last token
+    assert reusable_length([7, 1, 2], row) == 0 and reusable_length([1, 2], None) == 0
+
+
+def _revision_contexts(tok, items, answers):
+    """SPEAR's revision contexts c0 ‖ y ‖ f (``interaction.render``) for answers ``answers``."""
+    return [render(tok, [arc_challenge.prompt(ex), tok.decode(y, skip_special_tokens=True), "Wrong. Think again."])
+            for ex, y in zip(items, answers)]
+
+
+@pytest.mark.parametrize("merge", [False, True])
+def test_kept_rows_hold_each_contexts_own_keys_and_values(tiny, arc_items, merge):
+    """``keep``: per context, its tokens and answer and, per layer, the keys and values a forward over that sequence
+    alone computes (fp32; merged or not), read from the right columns of a left-padded batch with a shared prefix."""
+    import copy
+
+    from fedspear.runtime.generation import generate
+
+    model, tok = tiny
+    model = with_random_adapter(copy.deepcopy(model), 0.5)
+    contexts = [render(tok, [arc_challenge.prompt(ex)]) for ex in arc_items]
+    kept: list = []
+    answers = generate(model, tok, contexts, max_new_tokens=5, do_sample=False, keep=kept, merge=merge)
+    assert len(kept) == len(contexts)
+    layers = model.config.num_hidden_layers
+    for context, answer, row in zip(contexts, answers, kept):
+        n = min(len(answer), 4)  # the last of 5 new tokens was never run
+        assert row.tokens == tuple(context) + tuple(answer[:n])
+        with torch.no_grad():
+            past = model(input_ids=torch.tensor([list(row.tokens)]), use_cache=True).past_key_values
+        assert len(row.keys) == len(row.values) == layers
+        for layer in range(layers):
+            torch.testing.assert_close(row.keys[layer], past.layers[layer].keys[0], atol=1e-4, rtol=1e-4)
+            torch.testing.assert_close(row.values[layer], past.layers[layer].values[0], atol=1e-4, rtol=1e-4)
+
+
+def test_revisions_reusing_the_initial_calls_cache_match_plain_generation(tiny, arc_items):
+    """``cached``: revision contexts c0 ‖ y0 ‖ f reuse c0's keys and values from the initial call; greedy answers and
+    first-step logits are those of running every token (fp32), the rows reusing different lengths. A batch that
+    would reuse fewer than ``MIN_REUSED`` tokens runs as usual, and rows for another number of contexts are refused."""
+    import copy
+
+    from fedspear.runtime import generation
+    from fedspear.runtime.generation import generate, reusable_length
+
+    model, tok = tiny
+    model = with_random_adapter(copy.deepcopy(model), 0.5)
+    c0 = [render(tok, [arc_challenge.prompt(ex)]) for ex in arc_items]
+    kept: list = []
+    y0 = generate(model, tok, c0, max_new_tokens=6, do_sample=False, keep=kept)
+    contexts = _revision_contexts(tok, arc_items, y0)
+    reused = [reusable_length(c, r) for c, r in zip(contexts, kept)]
+    assert all(n >= len(c) - 1 for n, c in zip(reused, c0)) and len(set(reused)) > 1  # c0 at least
+    runs = {}
+    for rows in (None, kept):
+        first: list = []
+        runs[rows is None] = generate(model, tok, contexts, max_new_tokens=6, do_sample=False, first_logits=first,
+                                      cached=rows), torch.stack(first)
+    assert runs[True][0] == runs[False][0]
+    torch.testing.assert_close(runs[True][1], runs[False][1], atol=1e-4, rtol=1e-4)
+    calls = []
+    original = generation._filled_cache
+    try:
+        generation._filled_cache = lambda *a: calls.append(a) or original(*a)
+        generate(model, tok, contexts, max_new_tokens=2, do_sample=False, cached=kept)
+        assert len(calls) == 1
+        short = [generation.CachedRow(r.tokens[:3], [k[:, :3] for k in r.keys], [v[:, :3] for v in r.values])
+                 for r in kept[:2]]  # 2 rows × 3 tokens = 6 < MIN_REUSED
+        assert generate(model, tok, contexts[:2], max_new_tokens=6, do_sample=False, cached=short) == runs[True][0][:2]
+        assert len(calls) == 1
+    finally:
+        generation._filled_cache = original
+    with pytest.raises(ValueError, match="cached holds rows for 2 contexts, not 6"):
+        generate(model, tok, contexts, max_new_tokens=2, cached=kept[:2])
+
+
 def test_merged_adapter_computes_the_unmerged_model_and_puts_the_very_base_weights_back(tiny, arc_items):
     """Inside ``merged_adapter`` the LoRA branches are gone (merged) and the logits are the unmerged model's up to
     fp32 rounding; after it the base weights are the same tensors, bitwise unchanged, and the adapter applies again."""

@@ -2,8 +2,7 @@
 
 from __future__ import annotations
 
-
-
+from fedspear import interaction
 from fedspear.interaction import interact, render
 from fedspear.tasks import arc_challenge
 
@@ -29,3 +28,36 @@ def test_interaction_builds_win_and_lose_sets_as_in_alg1(tiny, arc_items, script
     assert lose1.prompt_ids == c0
     assert all(1 <= len(t.completion_ids) <= 4 for t in res.wins + res.losses)
     assert c["tokens_generated"] > 0 and c["seconds_generate_initial"] > 0
+
+
+def test_revisions_reuse_the_kv_cache_of_the_prompts_they_revise(tiny, arc_items, scripted, monkeypatch):
+    """The initial call keeps each prompt's KV cache (c0 ‖ y0); each revision call gets, for every pending prompt in
+    order, that prompt's row, whose tokens begin its revision context with c0 (all but possibly c0's last token,
+    which the template may merge with the answer that follows). Prompts answered right drop out."""
+    from fedspear.runtime.generation import reusable_length
+
+    model, tok = tiny
+    items = arc_items[:4]
+    script = {items[0].uid: [True], items[1].uid: [False, True], items[2].uid: [False, False, False],
+              items[3].uid: [False, False, True]}
+    calls = []
+    generate = interaction.generate
+
+    def spy(model, tokenizer, contexts, **kwargs):
+        answers = generate(model, tokenizer, contexts, **kwargs)
+        calls.append((contexts, kwargs.get("keep"), kwargs.get("cached")))
+        return answers
+
+    monkeypatch.setattr(interaction, "generate", spy)
+    res = interact(model, tok, items, arc_challenge, scripted(script), max_revisions=2, max_new_tokens=4, seed=1)
+    assert res.counters["revisions_attempted"] == 3 + 2
+    (c0, kept, none), (first, _, rows1), (second, _, rows2) = calls
+    assert none is None and len(kept) == 4 and [len(c) for c in (first, second)] == [3, 2]
+    assert [id(r) for r in rows1] == [id(r) for r in kept[1:]]  # items 1, 2, 3 pending
+    assert [id(r) for r in rows2] == [id(r) for r in kept[2:]]  # then 2 and 3
+    for contexts, rows, pending in ((first, rows1, [1, 2, 3]), (second, rows2, [2, 3])):
+        for context, row, i in zip(contexts, rows, pending):
+            assert row.tokens[: len(c0[i])] == tuple(c0[i])
+            assert reusable_length(context, row) >= len(c0[i]) - 1
+    without = interact(model, tok, items, arc_challenge, scripted(script), max_revisions=0, max_new_tokens=4, seed=1)
+    assert without.counters["revisions_attempted"] == 0 and calls[3][1] is None  # nothing kept without revisions

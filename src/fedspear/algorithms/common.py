@@ -18,15 +18,17 @@ from ..tasks.base import Example
 from ..training import Cycler, TrainSettings, completion_logprobs, optimise, pack
 
 
-def sample(worker, cfg, contexts: Sequence[list[int]], counters: dict, phase: str) -> list[list[int]]:
+def sample(worker, cfg, contexts: Sequence[list[int]], counters: dict, phase: str, **reuse) -> list[list[int]]:
     """One sampled completion per context (``cfg``'s temperature / top-p / token budget), counted and timed.
 
-    ``phase`` is ``"initial"`` or ``"revisions"`` (which ``seconds_generate_*`` counter the time goes to).
+    ``phase`` is ``"initial"`` or ``"revisions"`` (which ``seconds_generate_*`` counter the time goes to); ``reuse``:
+    ``generate``'s ``keep`` or ``cached`` (a revision reusing its initial answer's KV cache,
+    ``fedspear.runtime.generation``).
     """
     t = time.perf_counter()
     with progress.phase("initial answers" if phase == "initial" else "revisions"):
         ids = sample_counted(worker.model, worker.tokenizer, contexts, counters, max_new_tokens=cfg.max_new_tokens,
-                             dtype_used=worker.dtype_used, temperature=cfg.temperature, top_p=cfg.top_p)
+                             dtype_used=worker.dtype_used, temperature=cfg.temperature, top_p=cfg.top_p, **reuse)
     counters[f"seconds_generate_{phase}"] += time.perf_counter() - t
     return ids
 

@@ -63,7 +63,8 @@ def client_round(worker, cfg, examples: Sequence[Example], *, lr: float, seed: i
     n, p = s.group_size, len(examples)
     eos, pad, counters, c0 = common.start_round(worker, examples, seed)
     x0 = [c for c in c0 for _ in range(n)]  # prompt-major [P·N]
-    y0 = common.sample(worker, cfg, x0, counters, "initial")
+    kept: list = []  # each sample's KV cache (x0 ‖ y0): a revision context x0 ‖ y0 ‖ f starts with x0
+    y0 = common.sample(worker, cfg, x0, counters, "initial", keep=kept)
     ex_of = [examples[k // n] for k in range(p * n)]
     r0 = [float(feedback.is_correct(ex, common.text(worker, y))) for ex, y in zip(ex_of, y0)]
     counters["initial_correct"], counters["initial_samples"] = sum(r0), len(r0)
@@ -75,11 +76,12 @@ def client_round(worker, cfg, examples: Sequence[Example], *, lr: float, seed: i
             f = feedback.feedback(ex_of[k], common.text(worker, y0[k]))
             contexts.append(render(tok, [task.prompt(ex_of[k]), common.text(worker, y0[k]), f]))
         counters["revisions_attempted"] = len(wrong)
-        revised = common.sample(worker, cfg, contexts, counters, "revisions")
+        revised = common.sample(worker, cfg, contexts, counters, "revisions", cached=[kept[k] for k in wrong])
         for k, ctx, y in zip(wrong, contexts, revised):
             x1[k], y1[k] = ctx, y
             r1[k] = float(feedback.is_correct(ex_of[k], common.text(worker, y)))
         counters["revisions_successful"] = int(sum(r1[k] for k in wrong))
+    del kept
     device = model_device(model)
     continued = torch.zeros(p * n, dtype=torch.bool, device=device)
     continued[wrong] = True

@@ -4,6 +4,7 @@ the chat page.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Sequence
 
 import numpy as np
@@ -103,6 +104,74 @@ def merges_adapter(model, dtype_used: str) -> bool:
     return dtype_used == "fp32" and sum(p.numel() for p in model.parameters()) <= MERGE_UP_TO
 
 
+MIN_REUSED = 16  # tokens: a batch reuses earlier rows' KV (``generate``'s ``cached``) only when one saves this many
+
+
+@dataclass
+class CachedRow:
+    """The KV cache of one sequence a ``generate`` call ran (``generate``'s ``keep``): its tokens — the context,
+    then the answer tokens whose keys and values the call computed (all but the last one sampled) — and, per layer,
+    their keys and values ``[KV heads, len(tokens), head dim]`` in the cache's dtype, at the positions 0 … len − 1.
+
+    Valid for a later call only while the model's weights are the ones they were computed with (the same adapter,
+    merged or not as then): within one client-round's interaction, not across rounds."""
+
+    tokens: tuple[int, ...]
+    keys: list[torch.Tensor]
+    values: list[torch.Tensor]
+
+
+def reusable_length(context: Sequence[int], row: CachedRow | None) -> int:
+    """How many leading tokens of ``context`` ``row`` holds the KV of: their common prefix, at most
+    ``len(context) − 1`` (a call must still run one token of each context to get its next-token logits)."""
+    if row is None:
+        return 0
+    limit, tokens = min(len(context) - 1, len(row.tokens)), row.tokens
+    n = 0
+    while n < limit and context[n] == tokens[n]:
+        n += 1
+    return n
+
+
+def _filled_cache(model, rows: Sequence[CachedRow | None], lengths: Sequence[int], capacity: int):
+    """A fresh cache holding, for row i, ``rows[i]``'s first ``lengths[i]`` positions at columns 0 … lengths[i] − 1
+    and zeros up to ``max(lengths)`` (columns the attention mask hides), ``capacity`` positions in all; None where
+    the model's cache is not one of plain per-layer keys and values (``cpu_kernels.preallocated_cache``)."""
+    cache = preallocated_cache(model, capacity)
+    if cache is None:
+        return None
+    width = max(lengths)
+    template = next(r for r in rows if r is not None)
+    for layer in range(len(template.keys)):
+        filled = []
+        for held in (template.keys[layer], template.values[layer]):
+            heads, _, dim = held.shape
+            filled.append(torch.zeros(len(rows), heads, width, dim, dtype=held.dtype, device=held.device))
+        for i, (row, n) in enumerate(zip(rows, lengths)):
+            if n:
+                filled[0][i, :, :n] = row.keys[layer][:, :n]
+                filled[1][i, :, :n] = row.values[layer][:, :n]
+        cache.update(filled[0], filled[1], layer)
+    return cache
+
+
+def _kept_rows(cache, chunk: Sequence[list[int]], columns: Sequence[np.ndarray], answers: Sequence[list[int]],
+               computed: int) -> list[CachedRow]:
+    """``CachedRow`` s of a finished call: row i's context at ``columns[i]`` of ``cache`` (its real tokens, in order),
+    then its answer's first ``min(len(answer), computed)`` tokens in the columns after the prompt's (``computed``:
+    the steps that ran a forward, one fewer than the call's new tokens)."""
+    rows = []
+    start = cache.layers[0].keys.shape[-2] - computed  # the first generated token's column
+    for i, (context, answer) in enumerate(zip(chunk, answers)):
+        n = min(len(answer), computed)
+        index = torch.as_tensor(np.concatenate([columns[i], np.arange(start, start + n)]),
+                                device=cache.layers[0].keys.device)
+        keys = [layer.keys[i].index_select(1, index) for layer in cache.layers]  # L × [KV, T, D]
+        values = [layer.values[i].index_select(1, index) for layer in cache.layers]
+        rows.append(CachedRow(tuple(context) + tuple(answer[:n]), keys, values))
+    return rows
+
+
 class _DecodeSteps:
     """A stopping criterion that never stops: it reports each decode step to ``fedspear.progress``."""
 
@@ -189,6 +258,8 @@ def generate(
     first_columns: Sequence[Sequence[int]] | None = None,
     reuse_prefix: bool = True,
     merge: bool | None = None,
+    keep: list[CachedRow] | None = None,
+    cached: Sequence[CachedRow | None] | None = None,
 ) -> list[list[int]]:
     """Sample one completion per context, batched with left padding and the KV cache.
 
@@ -219,10 +290,22 @@ def generate(
             after). ``None``: ``merges_adapter`` decides — fp32 models up to 1B parameters, where merging changes
             the result by fp32 rounding only; under bf16 the base weights are bf16 and merging would round the
             update to bf16.
+        keep: if a list is given, it receives one ``CachedRow`` per context, in order: the KV cache the call
+            computed for the context and its answer, for a later call's ``cached`` (None where nothing was kept: a
+            compiled decode). Held until the caller drops it (SmolLM2-135M in bf16 on a CPU: ≈ 35 KB a token).
+        cached: per context, a ``CachedRow`` of an earlier call on the same weights, or None: the leading tokens a
+            context shares with its row (``reusable_length``) are not run again, their keys and values are copied
+            from the row. A SPEAR revision context starts with the prompt c0 its initial answer was sampled from
+            (``fedspear.interaction``): ARC-Challenge revisions with SmolLM2 ran ≈ 215 tokens a row, of which ≈ 110
+            were c0's own. A batch saving fewer than ``MIN_REUSED`` tokens runs as usual (with ``reuse_prefix``).
+            The rows are laid out ``[reused tokens | zeros (hidden) | left padding | own tokens]``; positions
+            follow the attention mask, so each row sees what it would see alone, up to rounding: keys and values
+            computed in another batch may differ in the last bits (bf16) and a sampled token then with them.
+            ``ValueError`` if its length differs from ``contexts``'.
 
     A model with a compiled decode (``runtime.compiled.use_compiled_decode``; ``compile_decode``) decodes every
     batch through it: its rows padded to a batch bucket, a static KV cache of a length bucket, no prefix sharing and
-    no merging (the compiled step reads the adapter's tensors where they are).
+    no merging (the compiled step reads the adapter's tensors where they are), and ``keep`` / ``cached`` unused.
     Returns:
         One list of new token ids per context, cut after the first EOS (EOS kept).
     Raises:
@@ -231,6 +314,8 @@ def generate(
     """
     if first_columns is not None and len(first_columns) != len(contexts):
         raise ValueError(f"first_columns names columns for {len(first_columns)} contexts, not {len(contexts)}")
+    if cached is not None and len(cached) != len(contexts):
+        raise ValueError(f"cached holds rows for {len(cached)} contexts, not {len(contexts)}")
     was_training = model.training
     model.eval()
     # every batch's whole token budget up front, so the phase's ETA covers all of them; a batch that stops early
@@ -241,13 +326,14 @@ def generate(
     try:
         with merged_adapter(model, enabled=merge):
             return _generate_batches(model, tokenizer, contexts, max_new_tokens, dtype_used, do_sample, temperature,
-                                     top_p, batch_size, first_logits, first_columns, reuse_prefix)
+                                     top_p, batch_size, first_logits, first_columns, reuse_prefix, keep, cached)
     finally:
         model.train(was_training)
 
 
 def _generate_batches(model, tokenizer, contexts, max_new_tokens, dtype_used, do_sample, temperature, top_p,
-                      batch_size, first_logits, first_columns, reuse_prefix) -> list[list[int]]:
+                      batch_size, first_logits, first_columns, reuse_prefix, keep=None,
+                      cached=None) -> list[list[int]]:
     """``generate``'s loop over batches of ``contexts`` (the model in eval mode, merged or not)."""
     from transformers import LogitsProcessorList
 
@@ -276,14 +362,28 @@ def _generate_batches(model, tokenizer, contexts, max_new_tokens, dtype_used, do
         real = len(chunk)
         if compiled is not None:  # the bucket's rows: the last context repeated, stopped at once, dropped
             chunk = list(chunk) + [chunk[-1]] * (batch_bucket(real) - real)
-        prefix = shared_prefix_length(chunk) if reuse_prefix and len(chunk) > 1 else 0
-        tails = [list(c[prefix:]) for c in chunk]
+        rows = cached[start : start + batch_size] if cached is not None and compiled is None else None
+        reused = [reusable_length(c, r) for c, r in zip(chunk, rows)] if rows is not None else []
+        cache = None
+        if reused and sum(reused) >= MIN_REUSED:  # [reused | zeros | left padding | own tokens], the reused filled
+            width = max(len(c) - n for c, n in zip(chunk, reused))
+            cache = _filled_cache(model, rows, reused, max(reused) + width + max_new_tokens)
+        if cache is not None:
+            prefix, tails = max(reused), [list(c[n:]) for c, n in zip(chunk, reused)]
+        else:
+            reused = []
+            prefix = shared_prefix_length(chunk) if reuse_prefix and len(chunk) > 1 else 0
+            tails = [list(c[prefix:]) for c in chunk]
         width = max(len(t) for t in tails)
         # laid out on the host (numpy), then one copy each to the model's device (not one per row: on a GPU each
         # copy from the host waits for it)
         ids = np.full((len(chunk), prefix + width), pad, dtype=np.int64)  # [B, P + L]
         mask = np.zeros((len(chunk), prefix + width), dtype=np.int64)  # [B, P + L]
-        if prefix:
+        if reused:
+            for i, n in enumerate(reused):
+                ids[i, :n] = chunk[i][:n]
+                mask[i, :n] = 1
+        elif prefix:
             ids[:, :prefix] = chunk[0][:prefix]
             mask[:, :prefix] = 1
         for i, tail in enumerate(tails):
@@ -300,7 +400,7 @@ def _generate_batches(model, tokenizer, contexts, max_new_tokens, dtype_used, do
         if compiled is not None:
             kwargs["stopping_criteria"] = kwargs.get("stopping_criteria", []) + [_PaddingRows(real)]
             cache = None  # the bucket's static cache, zeroed for each attempt (call below)
-        else:
+        elif cache is None:  # (one filled with the reused rows is kept)
             cache = preallocated_cache(model, prefix + width + max_new_tokens)  # None: transformers' own cache
 
         def call():
@@ -328,7 +428,7 @@ def _generate_batches(model, tokenizer, contexts, max_new_tokens, dtype_used, do
             )
 
         with autocast(dtype_used, device.type):
-            if prefix:
+            if prefix and not reused:
                 cache = model(input_ids=input_ids[:1, :prefix], past_key_values=cache, use_cache=True).past_key_values
                 cache.batch_repeat_interleave(len(chunk))
             try:
@@ -354,4 +454,12 @@ def _generate_batches(model, tokenizer, contexts, max_new_tokens, dtype_used, do
             if eos in row:
                 row = row[: row.index(eos) + 1]
             out.append(row)
+        if keep is not None:
+            kept = getattr(generated, "past_key_values", None) if compiled is None else None
+            computed = generated.sequences.shape[1] - input_ids.shape[1] - 1  # steps that ran a forward
+            if kept is not None and kept.get_seq_length() == input_ids.shape[1] + computed:
+                keep.extend(_kept_rows(kept, chunk[:real], [np.flatnonzero(m) for m in mask[:real]], out[-real:],
+                                       computed))
+            else:  # a compiled decode's static cache (zeroed by the next call), or a cache laid out otherwise
+                keep.extend([None] * real)
     return out

@@ -119,11 +119,21 @@ def test_targets_judged_by_hand():
     r = ice["SPEAR client-round ≤ 0.5 × the authors' 72.6 s"]
     assert not r["met"] and r["measured"] == "46.00 s = 0.634 ×"
     assert r["note"].startswith("missed: needs ≤ 36.30 s, 9.70 s more; ")
-    # the Zen 4 AVX-512 BF16 kind: 39.3 s / 65.6 s = 0.599 ×; ≤ 0.5 × needs ≤ 32.80 s, 6.50 s less
-    zen4 = {t["target"]: t for t in targets(_result(kind="zen4-avx512bf16", per_client_round=39.3))}
-    r = zen4["SPEAR client-round ≤ 0.5 × the authors' 65.6 s"]
-    assert not r["met"] and r["measured"] == "39.30 s = 0.599 ×"
-    assert r["note"].startswith("missed: needs ≤ 32.80 s, 6.50 s more; ")
+    # the Zen 4 AVX-512 BF16 kind, timed on two machines (65.6 and 52.4 s): 39.3 s is 0.599–0.750 ×, missed against
+    # both (≤ 0.5 × the slower is ≤ 32.80 s, 6.50 s less); 24.0 s is 0.366–0.458 ×, met against both; 30.0 s is
+    # 0.457–0.573 ×, met against one only: undecided, only the authors' code on that machine tells
+    rows = {s: {t["target"]: t for t in targets(_result(kind="zen4-avx512bf16", per_client_round=s))}
+            for s in (39.3, 24.0, 30.0)}
+    target = "SPEAR client-round ≤ 0.5 × the authors' 52.4–65.6 s"
+    where = "the authors' code on 2 machines of this kind (zen4-avx512bf16, 2026-12-05: 52.4 s, 2026-12-02: 65.6 s)"
+    assert rows[39.3][target] == {"target": target, "measured": "39.30 s = 0.599–0.750 ×", "met": False,
+                                  "note": f"missed: needs ≤ 32.80 s against the slowest, 6.50 s more; {where}"}
+    assert rows[24.0][target] == {"target": target, "measured": "24.00 s = 0.366–0.458 ×", "met": True, "note": where}
+    r = rows[30.0][target]
+    assert r["met"] is None and r["measured"] == "30.00 s = 0.457–0.573 ×"
+    assert r["note"] == ("undecided: met against the authors' 65.6 s, not against their 52.4 s (≤ 26.20 s); machines "
+                         "of one kind differ: time the authors' code on this machine (scripts/authors_reference.py); "
+                         + where)
     # the Zen 5 kind meets it: 17.5 s / 42.2 s = 0.415 × (≤ 0.5 × is ≤ 21.10 s); a met row has no "missed" note
     zen5 = {t["target"]: t for t in targets(_result(kind="zen5-avx512bf16", per_client_round=17.5))}
     r = zen5["SPEAR client-round ≤ 0.5 × the authors' 42.2 s"]

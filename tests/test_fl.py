@@ -213,31 +213,37 @@ def test_round0_is_reused_only_from_a_run_whose_start_is_known_to_be_the_identit
     """``round0_from`` borrows the base model's evaluation when the source's settings agree and its start adapter was
     the identity: shown by its round-0 adapter on disk, or — for a copied result without adapters, such as a committed
     grid cell — by the ``start_identity`` its round 0 recorded. Without either, or with a trained (non-zero B) start,
-    other evaluation settings, another precision, another device or a decode compiled in one run and eager in the
-    other, the run evaluates round 0 itself."""
+    other evaluation settings, another precision, another device, answers decoded at another batch or a decode
+    compiled in one run and eager in the other, the run evaluates round 0 itself."""
     from fedspear.fl.server_app import reused_round0
     from fedspear.rundir import RunDir
 
     identity = {"m.lora_A.weight": np.ones((2, 3), np.float32), "m.lora_B.weight": np.zeros((3, 2), np.float32)}
     trained = {**identity, "m.lora_B.weight": np.full((3, 2), 0.5, np.float32)}
-    evaluation = {"n": 4, "correct_gen": "1010", "acc_gen": 0.5, "seconds_evaluate": 3.0}
+    evaluation = {"n": 4, "correct_gen": "1010", "acc_gen": 0.5, "seconds_evaluate": 3.0, "batch_size": 32}
 
-    def source(name, record_extra, adapter=None):
+    def source(name, record_extra, adapter=None, evaluated=evaluation, **settings):
         run = RunDir(tmp_path / name)
-        run.check_or_write_config(RunConfig().resolved())
-        run.append({"round": 0, "eval": evaluation, "dtype": "fp32", **record_extra})
+        run.check_or_write_config(RunConfig(**settings).resolved())
+        run.append({"round": 0, "eval": evaluated, "dtype": "fp32", **record_extra})
         if adapter is not None:
             run.save_adapter(0, adapter, None)
         return run
 
-    def borrow(run, dtype_used="fp32", device="cpu", **changes):
-        return reused_round0(RunConfig(round0_from=str(run.path), **changes).resolved(), identity, dtype_used, device)
+    def borrow(run, dtype_used="fp32", device="cpu", rows=32, **changes):
+        return reused_round0(RunConfig(round0_from=str(run.path), **changes).resolved(), identity, dtype_used, device,
+                             rows)
 
     copied = source("copied", {"start_identity": True})  # metrics.jsonl + config.toml, no adapters
     assert copied.serves_round0() and copied.serves_round0("fp32", "cpu")
     assert not copied.serves_round0("bf16", "cpu") and not copied.serves_round0("fp32", "cuda")
     assert borrow(copied) == {**evaluation, "reused_from": str(copied.path)}
     assert borrow(copied, eval_size=evaluation["n"] + 1) is None  # another evaluation subset
+    assert borrow(copied, rows=64) is None  # its answers decoded at 32, this run's would at 64
+    # a record from before eval_batch_size = "auto" does not say: the number its config names does
+    before = {k: v for k, v in evaluation.items() if k != "batch_size"}
+    assert borrow(source("before-auto", {"start_identity": True}, evaluated=before, eval_batch_size=32))["n"] == 4
+    assert borrow(source("before-64", {"start_identity": True}, evaluated=before, eval_batch_size=64)) is None
     assert borrow(copied, dtype_used="bf16") is None  # `auto` resolved otherwise on this machine
     assert borrow(copied, device="cuda") is None  # a record without `device` is a CPU run
     assert reused_round0(RunConfig(round0_from=str(copied.path)).resolved(), trained, "fp32", "cpu") is None

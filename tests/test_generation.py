@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 from helpers import with_random_adapter
@@ -105,13 +106,25 @@ def test_revisions_reusing_the_initial_calls_cache_match_plain_generation(tiny, 
     contexts = _revision_contexts(tok, arc_items, y0)
     reused = [reusable_length(c, r) for c, r in zip(contexts, kept)]
     assert all(n >= len(c) - 1 for n, c in zip(reused, c0)) and len(set(reused)) > 1  # c0 at least
-    runs = {}
-    for rows in (None, kept):
-        first: list = []
-        runs[rows is None] = generate(model, tok, contexts, max_new_tokens=6, do_sample=False, first_logits=first,
-                                      cached=rows), torch.stack(first)
+    runs, shapes = {}, []
+    hook = model.get_base_model().register_forward_pre_hook(  # [rows, width] of every forward
+        lambda module, args, kwargs: shapes.append(tuple(kwargs["input_ids"].shape)), with_kwargs=True)
+    try:
+        for rows in (None, kept):
+            first: list = []
+            shapes.clear()
+            answers = generate(model, tok, contexts, max_new_tokens=6, do_sample=False, first_logits=first,
+                               cached=rows)
+            prefill = max(width for batch, width in shapes if batch == len(contexts))  # the batch's widest forward
+            runs[rows is None] = answers, torch.stack(first), prefill
+    finally:
+        hook.remove()
     assert runs[True][0] == runs[False][0]
     torch.testing.assert_close(runs[True][1], runs[False][1], atol=1e-4, rtol=1e-4)
+    # the plain call ran every row past the shared prefix; the reusing one only what follows each row's c0
+    assert runs[False][2] == max(len(c) - n for c, n in zip(contexts, reused)) < runs[True][2] - 50
+    # in batches of 4 (the rows follow their contexts into each batch)
+    assert generate(model, tok, contexts, max_new_tokens=6, do_sample=False, cached=kept, batch_size=4) == runs[True][0]
     calls = []
     original = generation._filled_cache
     try:
@@ -126,6 +139,37 @@ def test_revisions_reusing_the_initial_calls_cache_match_plain_generation(tiny, 
         generation._filled_cache = original
     with pytest.raises(ValueError, match="cached holds rows for 2 contexts, not 6"):
         generate(model, tok, contexts, max_new_tokens=2, cached=kept[:2])
+
+
+def test_kept_rows_take_each_rows_real_columns_and_the_answer_tokens_that_ran():
+    """``_kept_rows`` by hand on a 1-layer cache whose entry at column j is j: row 0 is left-padded (its context in
+    columns 2–4), row 1 fills columns 0–4; 3 new tokens, so 2 steps ran a forward (columns 5 and 6). Row 0 stopped
+    at EOS after 1 token (its column 6 holds a pad step's), row 1 ran all 3 (the last one's never ran)."""
+    from types import SimpleNamespace
+
+    from fedspear.runtime.generation import _kept_rows
+
+    keys = torch.arange(7.0).view(1, 1, 7, 1).expand(2, 1, 7, 1).clone()  # [B, KV, L, D]
+    cache = SimpleNamespace(layers=[SimpleNamespace(keys=keys, values=-keys)])
+    rows = _kept_rows(cache, [[7, 8, 9], [1, 2, 3, 4, 5]], [np.array([2, 3, 4]), np.arange(5)], [[0], [10, 11, 12]], 2)
+    assert [r.tokens for r in rows] == [(7, 8, 9, 0), (1, 2, 3, 4, 5, 10, 11)]
+    assert rows[0].keys[0].flatten().tolist() == [2, 3, 4, 5]
+    assert rows[0].values[0].flatten().tolist() == [-2, -3, -4, -5]
+    assert rows[1].keys[0].flatten().tolist() == [0, 1, 2, 3, 4, 5, 6]
+
+
+def test_a_cache_of_other_layer_kinds_keeps_no_rows(tiny, arc_items, monkeypatch):
+    """Where the model's cache is not plain per-layer keys and values (``preallocated_cache`` None: sliding windows,
+    shared layers), nothing is kept (None per context) and the answers are as usual."""
+    from fedspear.runtime import generation
+
+    model, tok = tiny
+    contexts = [render(tok, [arc_challenge.prompt(ex)]) for ex in arc_items]
+    plain = generation.generate(model, tok, contexts, max_new_tokens=4, do_sample=False)
+    monkeypatch.setattr(generation, "preallocated_cache", lambda model, capacity: None)
+    kept: list = []
+    assert generation.generate(model, tok, contexts, max_new_tokens=4, do_sample=False, keep=kept) == plain
+    assert kept == [None] * len(contexts)
 
 
 def test_merged_adapter_computes_the_unmerged_model_and_puts_the_very_base_weights_back(tiny, arc_items):

@@ -187,3 +187,23 @@ def test_an_evaluation_on_a_gpu_records_the_batch_auto_chose():
     out = evaluate(model, tok, items[:40], task, dtype_used="bf16", batch_size="auto", max_new_tokens=4)
     assert out["batch_size"] == eval_batch_rows("auto", model, 4_000) == 256
     assert out["n"] == 40
+
+
+def test_eval_batch_auto_counts_the_logits_generate_keeps_for_scoring(monkeypatch):
+    """Where log-likelihood scoring reads every step's logits (a generation config that adds a logits processor),
+    a row also holds max_new_tokens × vocabulary × 4 bytes: the tiny model (49,152 entries) at 256 new tokens
+    50.3 MB a row, so an H100's 1/16 holds 106 rows → 64; without such a processor its KV cache alone → 256."""
+    from fedspear.evaluation import generation_rows
+    from fedspear.runtime.generation import eval_batch_rows
+    from fedspear.tasks import arc_challenge, strategy_qa
+
+    _card(monkeypatch, 81_559)
+    model, _ = tiny_model()
+    contexts = [[1] * 200, [1] * 120]
+    assert generation_rows(model, contexts, arc_challenge, "auto", 256) == 256
+    model.generation_config.repetition_penalty = 1.1  # a processor before fedspear's: every step's logits kept
+    assert generation_rows(model, contexts, arc_challenge, "auto", 256) == 64
+    assert generation_rows(model, contexts, arc_challenge, "auto", 256, loglik=False) == 256  # not scored
+    assert generation_rows(model, contexts, strategy_qa, "auto", 256) == 256  # no log-likelihood on StrategyQA
+    assert generation_rows(model, contexts, arc_challenge, 48, 256) == 48
+    assert eval_batch_rows("auto", _shaped(QWEN_1_5B), 300, row_bytes=256 * 151_936 * 4) == 16  # 5.3 GB / 170 MB

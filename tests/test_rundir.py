@@ -109,11 +109,27 @@ def test_other_settings_are_refused(tmp_path):
     run.check_or_write_config(RunConfig(output_dir="elsewhere").resolved())  # where it lives may change
     # how it decodes may change too: a run whose compiled decode fails resumes with it off, as the error says
     run.check_or_write_config(RunConfig(compile_decode="off").resolved())
-    # and how many held-out answers decode together: a run saved with 32 (the default before "auto") resumes under it
+    # and how many held-out answers decode together: a run saved with 32 (the default before "auto") resumes under
+    # the new default, and evaluates at the 32 it used (evaluation_config), as fedspear eval reproduces it
     saved = RunDir(tmp_path / "before-auto")
     saved.check_or_write_config(RunConfig(eval_batch_size=32).resolved())
+    saved.append({"round": 0, "eval": {"n": 8}})  # a record of then: it does not say its batch
     saved.check_or_write_config(RunConfig().resolved())
-    assert saved.saved_config().eval_batch_size == 32
+    assert saved.eval_batch_used() == 32 and saved.evaluation_config(RunConfig()).eval_batch_size == 32
+
+
+def test_an_auto_run_keeps_evaluating_at_the_batch_it_used(tmp_path):
+    """Under eval_batch_size = "auto" a run's evaluations decode at the batch its last evaluation with answers
+    recorded (another machine would pick another, and a bf16 answer may shift with it); a number asked for wins;
+    with no evaluation yet "auto" stays for the evaluator to decide."""
+    run = RunDir(tmp_path / "auto")
+    run.check_or_write_config(RunConfig().resolved())
+    assert run.eval_batch_used() is None and run.evaluation_config(RunConfig()).eval_batch_size == "auto"
+    run.append({"round": 0, "eval": {"n": 8, "batch_size": 128}})
+    run.append({"round": 1, "eval": {"n": 8, "acc_ll": 0.5}})  # log-likelihood only: no batch of answers
+    assert run.eval_batch_used() == 128
+    assert run.evaluation_config(RunConfig()).eval_batch_size == 128
+    assert run.evaluation_config(RunConfig(eval_batch_size=16)).eval_batch_size == 16
 
 
 def test_initial_accuracy_counts_first_answers_not_prompts():

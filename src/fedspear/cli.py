@@ -675,7 +675,7 @@ def eval_target(target: Path | None, round_: int | None, config: Path | None, ov
         raise ConfigError(f"{', '.join(changed)}: the adapter was trained with "
                           f"{', '.join(f'{k} = {getattr(cfg, k)!r}' for k in changed)}; it cannot be evaluated "
                           "with another")
-    return run.saved_config(**overrides), adapter, round_
+    return run.evaluation_config(run.saved_config(**overrides)), adapter, round_  # the run's evaluation batch
 
 
 @app.command("eval")

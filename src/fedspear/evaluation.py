@@ -25,7 +25,8 @@ import torch
 
 from . import progress
 from .health import eval_health
-from .runtime.generation import eval_batch_rows, generate, host_columns, shared_prefix_length
+from .runtime.generation import (eval_batch_rows, first_processor_sees_raw_logits, generate, host_columns,
+                                 shared_prefix_length)
 from .interaction import render
 from .runtime.model import autocast, model_device, pad_id
 from .tasks.base import Example
@@ -156,6 +157,17 @@ def loglik_predictions(model, tokenizer, examples: Sequence[Example], task, *, d
     return [ex.labels[int(row.argmax())] for row, ex in zip(scores, examples)]
 
 
+def generation_rows(model, contexts: Sequence[list[int]], task, batch_size: int | str, max_new_tokens: int,
+                    loglik: bool = True) -> int:
+    """How many of ``contexts`` ``evaluate`` answers at a time (``eval_batch_rows`` for its longest context and the
+    token budget): where it also scores log-likelihood on a multiple-choice task and the model's generation config
+    adds a logits processor (``first_processor_sees_raw_logits`` False), ``generate`` keeps every step's logits,
+    ``max_new_tokens`` × vocabulary × 4 bytes a row, which ``"auto"`` counts beside the KV cache."""
+    keeps_steps = loglik and task.MULTIPLE_CHOICE and not first_processor_sees_raw_logits(model)
+    extra = max_new_tokens * model.config.vocab_size * 4 if keeps_steps else 0
+    return eval_batch_rows(batch_size, model, max(map(len, contexts)) + max_new_tokens, row_bytes=extra)
+
+
 def evaluate(model, tokenizer, examples: Sequence[Example], task, *, dtype_used: str = "fp32",
              generation: bool = True, loglik: bool = True, batch_size: int | str = 32,
              max_new_tokens: int | None = None, generation_size: int = 0,
@@ -169,8 +181,8 @@ def evaluate(model, tokenizer, examples: Sequence[Example], task, *, dtype_used:
     ``max_new_tokens`` bounds each greedy answer (default: the task's ``MAX_NEW_TOKENS``; runs pass their own
     ``max_new_tokens`` so evaluation answers under the same budget as the clients).
 
-    ``batch_size``: answers generated together, a number or ``"auto"`` (``runtime.generation.eval_batch_rows``: 32
-    on a CPU, on a GPU by its memory); the number used is returned as ``batch_size``.
+    ``batch_size``: answers generated together, a number or ``"auto"`` (``generation_rows``: 32 on a CPU, on a GPU
+    by its memory); the number used is returned as ``batch_size``.
 
     Returns:
         ``n``, and for each metric computed (``acc_gen``; ``acc_ll`` for multiple choice): the accuracy, its
@@ -204,7 +216,7 @@ def evaluate(model, tokenizer, examples: Sequence[Example], task, *, dtype_used:
         first: list[torch.Tensor] | None = [] if loglik and task.MULTIPLE_CHOICE else None
         columns = [label_token_ids(tokenizer, ex.labels) for ex in examples] if first is not None else None
         budget = max_new_tokens or task.MAX_NEW_TOKENS
-        out["batch_size"] = rows = eval_batch_rows(batch_size, model, max(map(len, contexts)) + budget)
+        out["batch_size"] = rows = generation_rows(model, contexts, task, batch_size, budget, loglik)
         with progress.phase("evaluation: generation"):
             completions = generate(model, tokenizer, contexts, max_new_tokens=budget, dtype_used=dtype_used,
                                    do_sample=False, batch_size=rows, first_logits=first, first_columns=columns)
@@ -304,6 +316,17 @@ class Evaluator:
 
     def peft_config(self) -> dict:
         return self.model.peft_config["default"].to_dict()
+
+    def batch_rows(self) -> int | None:
+        """The batch its greedy answers decode at (``generation_rows`` over the items it generates for), None where
+        it generates none (``eval_generation`` off)."""
+        if not self.cfg.eval_generation or not self.examples:
+            return None
+        n = self.cfg.eval_gen_size
+        items = self.examples[:n] if 0 < n < len(self.examples) else self.examples
+        contexts = [render(self.tokenizer, [self.task.prompt(ex)]) for ex in items]
+        return generation_rows(self.model, contexts, self.task, self.cfg.eval_batch_size,
+                               self.cfg.max_new_tokens or self.task.MAX_NEW_TOKENS)
 
     def __call__(self, arrays: dict[str, np.ndarray], answers: list | None = None) -> dict[str, float | str]:
         """``evaluate`` with ``arrays`` loaded as the adapter (``set_adapter`` raises ValueError on a name or

@@ -23,6 +23,7 @@ keys, because resuming under other settings would silently mix two experiments.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import math
@@ -157,6 +158,25 @@ class RunDir:
         raw = raw.get("fedspear", raw)
         legacy = {k: v for k, v in LEGACY_DEFAULTS.items() if k not in raw}
         return load_config(self.config_path, **{**legacy, **overrides})
+
+    def eval_batch_used(self) -> int | None:
+        """The batch the run's last evaluation decoded its answers at: that record's ``eval.batch_size``, else the
+        number config.toml names (a run of a fedspear before ``eval_batch_size = "auto"``, whose records do not
+        say); None where neither does (no evaluation with answers yet under ``"auto"``)."""
+        for record in reversed(self.records()):
+            used = record.get("eval", {}).get("batch_size")
+            if used is not None:
+                return int(used)
+        saved = self.saved_config().eval_batch_size if self.config_path.is_file() else None
+        return saved if isinstance(saved, int) else None
+
+    def evaluation_config(self, cfg: RunConfig) -> RunConfig:
+        """``cfg`` for evaluating this run: under ``eval_batch_size = "auto"`` with the batch the run's evaluations
+        used already (``eval_batch_used``), so a resumed run evaluates every round at one batch size and
+        ``fedspear eval`` reproduces its answers, on whatever machine (a different batch may shift a bf16 answer by
+        a token); otherwise ``cfg`` itself."""
+        used = self.eval_batch_used() if cfg.eval_batch_size == "auto" else None
+        return cfg if used is None else dataclasses.replace(cfg, eval_batch_size=used)
 
     def write_json(self, name: str, value: Any) -> None:
         """Write ``<run dir>/<name>`` as indented JSON (atomically: temp file, then rename)."""

@@ -69,6 +69,7 @@ def client_round(worker, cfg, examples: Sequence[Example], *, lr: float, seed: i
     r0 = [float(feedback.is_correct(ex, common.text(worker, y))) for ex, y in zip(ex_of, y0)]
     counters["initial_correct"], counters["initial_samples"] = sum(r0), len(r0)
     wrong = [k for k in range(p * n) if r0[k] == 0.0]
+    kept = [kept[k] for k in wrong]  # only the samples to revise
     x1, y1, r1 = list(x0), list(y0), list(r0)  # early termination: y1 := y0 for correct samples
     if wrong:
         contexts = []
@@ -76,7 +77,7 @@ def client_round(worker, cfg, examples: Sequence[Example], *, lr: float, seed: i
             f = feedback.feedback(ex_of[k], common.text(worker, y0[k]))
             contexts.append(render(tok, [task.prompt(ex_of[k]), common.text(worker, y0[k]), f]))
         counters["revisions_attempted"] = len(wrong)
-        revised = common.sample(worker, cfg, contexts, counters, "revisions", cached=[kept[k] for k in wrong])
+        revised = common.sample(worker, cfg, contexts, counters, "revisions", cached=kept)
         for k, ctx, y in zip(wrong, contexts, revised):
             x1[k], y1[k] = ctx, y
             r1[k] = float(feedback.is_correct(ex_of[k], common.text(worker, y)))

@@ -778,7 +778,7 @@ def decode_limit(result: dict[str, Any], name: str) -> str | None:
 
 def _round_row(seconds: float, kind: str, references: list[dict[str, Any]]) -> dict[str, Any]:
     """The client-round target's row on a kind whose authors' figure was measured on several machines, which may
-    differ (two 2-core Zen 4 with AVX-512 BF16: 65.6 and 52.8 s): the ratio against each, met where it is met against
+    differ (two 2-core Zen 4 with AVX-512 BF16: 65.6 and 52.4 s): the ratio against each, met where it is met against
     every one, missed where against none, and undecided (``met`` None) where the machines disagree — then only the
     authors' code timed on this machine decides (``scripts/authors_reference.py``)."""
     refs = sorted(references, key=lambda r: r["seconds_per_client_round"])

@@ -50,9 +50,9 @@ log = logging.getLogger("fedspear")
 
 
 # settings that decide the round-0 evaluation (the base model's answers on the fixed held-out subset)
+# (and the batch the answers decode at: ``reused_round0`` compares the one each run used, not the setting)
 ROUND0_KEYS = ("model", "dtype", "task", "data_dir", "data_source", "skip_bad_records", "eval_size",
-               "eval_gen_size", "eval_generation", "eval_batch_size", "max_new_tokens", "lora_r", "lora_alpha",
-               "last_layers")
+               "eval_gen_size", "eval_generation", "max_new_tokens", "lora_r", "lora_alpha", "last_layers")
 
 
 def _is_identity(arrays: dict[str, np.ndarray]) -> bool:
@@ -61,11 +61,14 @@ def _is_identity(arrays: dict[str, np.ndarray]) -> bool:
     return bool(b) and all(not np.any(v) for v in b)
 
 
-def reused_round0(cfg: RunConfig, arrays: dict[str, np.ndarray], dtype_used: str, device: str) -> dict | None:
+def reused_round0(cfg: RunConfig, arrays: dict[str, np.ndarray], dtype_used: str, device: str,
+                  batch_rows: int | None = None) -> dict | None:
     """The round-0 evaluation of ``cfg.round0_from`` when it is provably the same measurement, else None.
 
     Same when the other run's resolved settings (its ``config.toml``) agree on ``ROUND0_KEYS`` and on whether the
     decode is compiled on this device (``compile_decode``, as ``runtime.compiled.compiles_decode`` resolves it), its
+    answers decoded at ``batch_rows``, the batch this run's would (``Evaluator.batch_rows``; the other's record says,
+    or for a record without it the number its config names; not compared where answers are not generated), its
     round 0 ran in
     the same precision on the same kind of device (the record's ``dtype`` and ``device`` against this run's resolved
     ``dtype_used`` and ``device``: ``dtype = "auto"`` resolves differently on other machines; a record without
@@ -88,11 +91,14 @@ def reused_round0(cfg: RunConfig, arrays: dict[str, np.ndarray], dtype_used: str
         return None
     if any(getattr(other_cfg, k) != getattr(cfg, k) for k in ROUND0_KEYS):
         return None
+    lent = other.records()[0]["eval"]
+    if cfg.eval_generation and lent.get("batch_size", other_cfg.eval_batch_size) != batch_rows:
+        return None  # answers decoded at another batch may differ by a token in bf16
     if compiles_decode(other_cfg.compile_decode, torch.device(device)) != compiles_decode(cfg.compile_decode,
                                                                                          torch.device(device)):
         return None  # a compiled and an eager greedy decode agree up to bf16 rounding only
     log.info("round-0 evaluation reused from %s (same base model, items and settings)", cfg.round0_from)
-    return {**other.records()[0]["eval"], "reused_from": str(cfg.round0_from)}
+    return {**lent, "reused_from": str(cfg.round0_from)}
 
 
 # loss terms the algorithms log (SPEAR: win / lose; GRPO: surrogate, KL; RLTF-SD: SD, RL0, RL1; all: loss)
@@ -350,7 +356,7 @@ def run_server(grid: Grid, cfg: RunConfig, on_round: Callable[[dict], None] | No
             on_round(record)
 
     try:
-        evaluator = Evaluator(cfg)
+        evaluator = Evaluator(run.evaluation_config(cfg))  # a resumed "auto" run keeps its evaluations' batch
         if records:
             last = records[-1]["round"]
             arrays = in_model_order(run.load_adapter(last), evaluator.initial_adapter(), run.adapter_dir(last))
@@ -362,7 +368,8 @@ def run_server(grid: Grid, cfg: RunConfig, on_round: Callable[[dict], None] | No
             progress.start("server", 0)
             device = model_device(evaluator.model).type
             answers: list[dict] = []
-            metrics = reused_round0(cfg, arrays, evaluator.dtype_used, device) or evaluator(arrays, answers)
+            rows = evaluator.batch_rows() if cfg.round0_from else None  # (renders every held-out prompt)
+            metrics = reused_round0(cfg, arrays, evaluator.dtype_used, device, rows) or evaluator(arrays, answers)
             progress.finish()
             wall = time.perf_counter() - t0
             run.save_adapter(0, arrays, evaluator.peft_config())

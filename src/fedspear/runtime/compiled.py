@@ -22,7 +22,8 @@ Static shapes, bucketed (decisions, 2026-11-27):
 - **batch**: a chunk of n contexts runs as ``batch_bucket(n)`` rows, the next power of two (1, 2, 4, … 64): the
   extra rows repeat the last context and are stopped after their first token (``generation.generate``), their
   answers dropped. A padded row costs little on a GPU (the probe's eager step: 49.6 ms at batch 8, 53.6 at 32).
-- **cache length**: prompt (left padded to the chunk's longest) + ``max_new_tokens``, rounded up to a multiple of
+- **cache length**: prompt (left padded to the longest context of the ``generate`` call, every batch of the call
+  alike, so that an evaluation's batches hold one cache) + ``max_new_tokens``, rounded up to a multiple of
   ``CACHE_STEP`` = 256 positions. Attention reads the whole static cache (masked), so a coarser step would cost
   bandwidth on every step.
 - One ``StaticCache`` per (batch, length) bucket is kept for the life of the model and zeroed before each use, so

@@ -59,12 +59,13 @@ def kv_cache_bytes(config, positions: int, value_bytes: int = 2) -> int:
     return 2 * config.num_hidden_layers * heads * head_dim * value_bytes * positions
 
 
-def eval_batch_rows(setting: int | str, model, positions: int) -> int:
+def eval_batch_rows(setting: int | str, model, positions: int, row_bytes: int = 0) -> int:
     """How many answers ``eval_batch_size = setting`` decodes together on ``model``'s device, for answers of up to
     ``positions`` positions (prompt + new tokens): a number as it is; ``"auto"``: ``CPU_EVAL_BATCH`` on a CPU and,
     on a CUDA GPU, the largest power of two up to ``GPU_EVAL_BATCH_MAX`` whose KV cache over the compiled decode's
-    cache length (``kv_cache_bytes`` at ``runtime.compiled.cache_bucket(positions)``, in the model's precision) takes
-    at most ``GPU_CACHE_SHARE`` of the card's memory, at least 1.
+    cache length (``kv_cache_bytes`` at ``runtime.compiled.cache_bucket(positions)``, in the model's precision), with
+    ``row_bytes`` more a row for what else it holds while it decodes, takes at most ``GPU_CACHE_SHARE`` of the card's
+    memory, at least 1.
 
     On a GPU a decode step of a small batch waits on the host, not on the GPU (Qwen2.5-1.5B's shape on an H200,
     compiled: 13.8 ms a step at batch 32, where its weights stream in 0.8 ms; ``docs/performance.md``), so fewer,
@@ -87,7 +88,7 @@ def eval_batch_rows(setting: int | str, model, positions: int) -> int:
     if device.type != "cuda":
         return CPU_EVAL_BATCH
     value_bytes = model.get_input_embeddings().weight.element_size()
-    per_row = kv_cache_bytes(model.config, cache_bucket(positions), value_bytes)
+    per_row = kv_cache_bytes(model.config, cache_bucket(positions), value_bytes) + row_bytes
     fits = int(GPU_CACHE_SHARE * torch.cuda.get_device_properties(device).total_memory // per_row)
     return 1 << (max(1, min(GPU_EVAL_BATCH_MAX, fits)).bit_length() - 1)
 
@@ -160,15 +161,16 @@ def _kept_rows(cache, chunk: Sequence[list[int]], columns: Sequence[np.ndarray],
     """``CachedRow`` s of a finished call: row i's context at ``columns[i]`` of ``cache`` (its real tokens, in order),
     then its answer's first ``min(len(answer), computed)`` tokens in the columns after the prompt's (``computed``:
     the steps that ran a forward, one fewer than the call's new tokens)."""
-    rows = []
     start = cache.layers[0].keys.shape[-2] - computed  # the first generated token's column
-    for i, (context, answer) in enumerate(zip(chunk, answers)):
-        n = min(len(answer), computed)
-        index = torch.as_tensor(np.concatenate([columns[i], np.arange(start, start + n)]),
-                                device=cache.layers[0].keys.device)
+    kept = [min(len(answer), computed) for answer in answers]
+    picks = [np.concatenate([columns[i], np.arange(start, start + n)]) for i, n in enumerate(kept)]
+    # every row's columns in one copy to the model's device (on a GPU each copy from the host waits for it)
+    flat = torch.as_tensor(np.concatenate(picks), device=cache.layers[0].keys.device)
+    rows = []
+    for i, index in enumerate(flat.split([len(p) for p in picks])):
         keys = [layer.keys[i].index_select(1, index) for layer in cache.layers]  # L × [KV, T, D]
         values = [layer.values[i].index_select(1, index) for layer in cache.layers]
-        rows.append(CachedRow(tuple(context) + tuple(answer[:n]), keys, values))
+        rows.append(CachedRow(tuple(chunk[i]) + tuple(answers[i][: kept[i]]), keys, values))
     return rows
 
 
@@ -356,6 +358,9 @@ def _generate_batches(model, tokenizer, contexts, max_new_tokens, dtype_used, do
     reuse_prefix = reuse_prefix and compiled is None  # a static cache is filled by one prefill of the whole batch
     # the first step's raw logits: kept by a processor that runs first where one does, else every step's asked for
     copy_first = first_logits is not None and not decoding["do_sample"] and first_processor_sees_raw_logits(model)
+    # a compiled decode's static cache: one length for every batch of the call, the longest context's (a cache is
+    # kept per length bucket for the process's life, so an evaluation's batches hold one, as eval_batch_rows assumes)
+    positions = max(map(len, contexts), default=0) + max_new_tokens
     out: list[list[int]] = []
     for start in range(0, len(contexts), batch_size):
         chunk = contexts[start : start + batch_size]
@@ -402,11 +407,13 @@ def _generate_batches(model, tokenizer, contexts, max_new_tokens, dtype_used, do
             cache = None  # the bucket's static cache, zeroed for each attempt (call below)
         elif cache is None:  # (one filled with the reused rows is kept)
             cache = preallocated_cache(model, prefix + width + max_new_tokens)  # None: transformers' own cache
+        # rows can be kept from plain per-layer keys and values only (not from sliding windows or a static cache)
+        plain = cache is not None and compiled is None
 
         def call():
             if first is not None:
                 first.logits = None  # a call run again (CompiledDecode.decode) keeps its own first step
-            extra = compiled.generate_kwargs(model, len(chunk), width + max_new_tokens) if compiled is not None \
+            extra = compiled.generate_kwargs(model, len(chunk), positions) if compiled is not None \
                 else ({"past_key_values": cache} if cache is not None else {})
             if sampler is not None and compiled is not None:
                 # reading nothing back pays only where the stop check does not read every step either
@@ -433,7 +440,7 @@ def _generate_batches(model, tokenizer, contexts, max_new_tokens, dtype_used, do
                 cache.batch_repeat_interleave(len(chunk))
             try:
                 generated = call() if compiled is None else compiled.decode(
-                    model, len(chunk), width + max_new_tokens, dtype_used, call,
+                    model, len(chunk), positions, dtype_used, call,
                     steps=lambda out: out.sequences.shape[1] - input_ids.shape[1] - 1)  # the first token: prefill's
             except Exception as err:
                 if compiled is None:
@@ -455,11 +462,11 @@ def _generate_batches(model, tokenizer, contexts, max_new_tokens, dtype_used, do
                 row = row[: row.index(eos) + 1]
             out.append(row)
         if keep is not None:
-            kept = getattr(generated, "past_key_values", None) if compiled is None else None
+            kept = getattr(generated, "past_key_values", None) if plain else None
             computed = generated.sequences.shape[1] - input_ids.shape[1] - 1  # steps that ran a forward
             if kept is not None and kept.get_seq_length() == input_ids.shape[1] + computed:
                 keep.extend(_kept_rows(kept, chunk[:real], [np.flatnonzero(m) for m in mask[:real]], out[-real:],
                                        computed))
-            else:  # a compiled decode's static cache (zeroed by the next call), or a cache laid out otherwise
+            else:  # a compiled decode's static cache (zeroed by the next call), or a cache of other layer kinds
                 keep.extend([None] * real)
     return out

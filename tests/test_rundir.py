@@ -127,6 +127,7 @@ def test_an_auto_run_keeps_evaluating_at_the_batch_it_used(tmp_path):
     assert run.eval_batch_used() is None and run.evaluation_config(RunConfig()).eval_batch_size == "auto"
     run.append({"round": 0, "eval": {"n": 8, "batch_size": 128}})
     run.append({"round": 1, "eval": {"n": 8, "acc_ll": 0.5}})  # log-likelihood only: no batch of answers
+    run.append({"round": 2, "eval": None})  # a round without evaluation (eval_every > 1), as the server writes it
     assert run.eval_batch_used() == 128
     assert run.evaluation_config(RunConfig()).eval_batch_size == 128
     assert run.evaluation_config(RunConfig(eval_batch_size=16)).eval_batch_size == 16

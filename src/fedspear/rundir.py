@@ -164,7 +164,7 @@ class RunDir:
         number config.toml names (a run of a fedspear before ``eval_batch_size = "auto"``, whose records do not
         say); None where neither does (no evaluation with answers yet under ``"auto"``)."""
         for record in reversed(self.records()):
-            used = record.get("eval", {}).get("batch_size")
+            used = (record.get("eval") or {}).get("batch_size")  # a round without evaluation records "eval": null
             if used is not None:
                 return int(used)
         saved = self.saved_config().eval_batch_size if self.config_path.is_file() else None

@@ -36,8 +36,8 @@ def start(cmd: list[str], **kwargs) -> subprocess.Popen:
                             preexec_fn=_default_sigint, **kwargs)
 
 
-def session(sid: int) -> list[str]:
-    """Live (non-zombie) processes of session ``sid``, as 'pid name'."""
+def _live(sid: int) -> list[str]:
+    """Live (non-zombie) processes of session ``sid`` now, as 'pid name'."""
     found = []
     for proc in psutil.process_iter(["pid", "name", "status"]):
         try:
@@ -45,6 +45,18 @@ def session(sid: int) -> list[str]:
                 found.append(f"{proc.pid} {proc.info['name']}")
         except (OSError, psutil.Error):
             continue
+    return found
+
+
+def session(sid: int, grace: float = 5.0) -> list[str]:
+    """Processes of session ``sid`` still running ``grace`` seconds after the run exited, as 'pid name' (empty as
+    soon as none is). The grace is for short-lived helpers that end by themselves: Flower's telemetry ``event``
+    builds its payload even with telemetry off, and ``platform.architecture()`` in it runs ``file -b <python>`` from
+    a daemon thread, which a stopped process may leave behind for a few milliseconds (seen once in CI: '32419
+    file'). Something left running is still there after the grace."""
+    deadline = time.monotonic() + grace
+    while (found := _live(sid)) and time.monotonic() < deadline:
+        time.sleep(0.1)
     return found
 
 

@@ -168,6 +168,12 @@ def generation_rows(model, contexts: Sequence[list[int]], task, batch_size: int 
     return eval_batch_rows(batch_size, model, max(map(len, contexts)) + max_new_tokens, row_bytes=extra)
 
 
+def generated_items(examples: Sequence[Example], generation_size: int) -> list[Example]:
+    """The items ``evaluate`` answers by generation: the first ``generation_size`` of ``examples`` (0 or at least
+    ``len(examples)``: all of them)."""
+    return list(examples[:generation_size]) if 0 < generation_size < len(examples) else list(examples)
+
+
 def evaluate(model, tokenizer, examples: Sequence[Example], task, *, dtype_used: str = "fp32",
              generation: bool = True, loglik: bool = True, batch_size: int | str = 32,
              max_new_tokens: int | None = None, generation_size: int = 0,
@@ -203,7 +209,7 @@ def evaluate(model, tokenizer, examples: Sequence[Example], task, *, dtype_used:
     t0 = time.perf_counter()
     out: dict[str, float | str] = {"n": len(examples)}
     predictions = None
-    generated = list(examples[:generation_size]) if 0 < generation_size < len(examples) else list(examples)
+    generated = generated_items(examples, generation_size)
     if generation and examples:
         if len(generated) < len(examples):
             out["n_gen"] = len(generated)
@@ -322,8 +328,7 @@ class Evaluator:
         it generates none (``eval_generation`` off)."""
         if not self.cfg.eval_generation or not self.examples:
             return None
-        n = self.cfg.eval_gen_size
-        items = self.examples[:n] if 0 < n < len(self.examples) else self.examples
+        items = generated_items(self.examples, self.cfg.eval_gen_size)
         contexts = [render(self.tokenizer, [self.task.prompt(ex)]) for ex in items]
         return generation_rows(self.model, contexts, self.task, self.cfg.eval_batch_size,
                                self.cfg.max_new_tokens or self.task.MAX_NEW_TOKENS)

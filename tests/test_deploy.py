@@ -438,6 +438,7 @@ def test_deploy_local_example_stops_on_ctrl_c(tmp_path):
     """Ctrl-C (SIGINT to the example's process group, as a terminal sends it) once round 0 is recorded: the example
     ends within 10 s with exit code 130 and one last line saying where the run stopped, and stops every process it
     started (``summary.json``'s ``leftover_pids``, and no process of its session left)."""
+    import re
     import signal
     import time
 
@@ -468,7 +469,8 @@ def test_deploy_local_example_stops_on_ctrl_c(tmp_path):
         pytest.fail(f"still running 10 s after SIGINT: {proc.communicate()[1][-3000:]}")
     print(f"deploy-local: exit {proc.returncode} after {time.monotonic() - t0:.1f} s")
     assert proc.returncode == 130, err[-3000:]
-    assert err.strip().splitlines()[-1].startswith("stopped by SIGINT after round 0 of 3")
+    # two seconds after round 0's record: inside round 1, or a later round where the rounds are that quick
+    assert re.match(r"stopped by SIGINT after round [012] of 3 ", err.strip().splitlines()[-1]), err[-3000:]
     assert json.loads((out / "summary.json").read_text())["leftover_pids"] == []
     left = []
     for p in psutil.process_iter(["pid", "status"]):

@@ -21,7 +21,7 @@ import psutil
 import pytest
 from safetensors.numpy import load_file
 
-from helpers import RESUME_ARGS, stable
+from helpers import RESUME_ARGS, client_at_work, stable
 
 FEDSPEAR = str(Path(sys.executable).with_name("fedspear"))
 
@@ -274,13 +274,27 @@ def _has_round(out: Path, server_round: int):
     return check
 
 
+def _wait_at_work(proc: subprocess.Popen, outs, server_round: int, timeout: float = 300) -> None:
+    """Wait until a client of one of the runs in ``outs()`` (their output folders) is at work on ``server_round``
+    (``helpers.client_at_work``, looked at every 20 ms); fails (killing ``proc``'s group) when ``proc`` ends first or
+    none is seen within ``timeout`` s."""
+    deadline = time.monotonic() + timeout
+    while not any(client_at_work(out, server_round) for out in outs()):
+        if proc.poll() is not None or time.monotonic() > deadline:
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGKILL)
+            pytest.fail(f"no client was seen at work on round {server_round} (exit {proc.poll()}): "
+                        f"{proc.stderr.read()[-3000:]}")
+        time.sleep(0.02)
+
+
 def _stopped_run(out: Path, signum: int, after_round: int, group: bool = True) -> tuple[int, str, float]:
-    """Start the run, wait for round ``after_round``'s record and 0.5 s more (the server then sends the next round
-    and waits for its client; on a quiet machine a tiny round takes about a second, so 3 s could see it end), send
-    ``signum`` to its process group (or to the CLI alone); (status, stderr, seconds)."""
+    """Start the run, wait for round ``after_round``'s record and then for a client at work on the next round
+    (``helpers.client_at_work``, looked at every 20 ms: a tiny round can take well under a second, so a fixed wait
+    could see the run end), send ``signum`` to its process group (or to the CLI alone); (status, stderr, seconds)."""
     proc = start([FEDSPEAR, "run", *RESUME_ARGS, "-o", str(out)], env=dict(os.environ))
     wait_for(_has_round(out, after_round), proc, 600, f"round {after_round}")
-    time.sleep(0.5)
+    _wait_at_work(proc, lambda: [out], after_round + 1)
     result = stop(proc, signum, group=group)
     assert session(proc.pid) == [], "processes left running"
     return result
@@ -288,17 +302,16 @@ def _stopped_run(out: Path, signum: int, after_round: int, group: bool = True) -
 
 @pytest.mark.slow
 def test_ctrl_c_stops_the_run_and_the_resumed_run_equals_an_uninterrupted_one(tmp_path, uninterrupted_run):
-    """SIGINT to the process group half a second after round 1's record, so inside round 2 — or inside round 3 where
-    round 2 took less than that (a tiny round takes about a second on a quiet machine): exit 130 within 10 s,
-    nothing left running, the rounds finished so far kept (0–1 or 0–2), the line names the last of them and the
-    command; re-running it resumes after that round and ends with the adapter, FedAdam moments and metrics of a run
-    never interrupted (wall-clock, memory and node ids aside)."""
+    """SIGINT to the process group while a client works on round 2: exit 130 within 10 s, nothing left running, the
+    rounds finished so far kept (0–1, or 0–2 where the client's reply was already on its way), the line names the last
+    of them and the command; re-running it resumes after that round and ends with the adapter, FedAdam moments and
+    metrics of a run never interrupted (wall-clock, memory and node ids aside)."""
     whole, stopped = uninterrupted_run, tmp_path / "stopped"
     status, err, seconds = _stopped_run(stopped, signal.SIGINT, after_round=1)
     kept = [r["round"] for r in _records(stopped)]
     print(f"SIGINT: exit {status} after {seconds:.1f} s, rounds {kept} kept")
     assert status == 130, err[-3000:]
-    assert kept in ([0, 1], [0, 1, 2]), kept  # stopped inside round 2 or 3, never after the run's end
+    assert kept in ([0, 1], [0, 1, 2]), kept  # stopped inside round 2, never after the run's end
     last = kept[-1]
     assert err.strip().splitlines()[-1] == (
         f"stopped by SIGINT after round {last} of 3 ({stopped} keeps rounds 0–{last}; the round in flight is redone); "
@@ -340,7 +353,7 @@ def test_ctrl_c_stops_compare_and_the_cell_it_runs(tmp_path):
                   "-o", str(out)], env=dict(os.environ))
     cell = out / "cells"
     wait_for(lambda: any(_has_round(c, 0)() for c in cell.glob("*")), proc, 600, "the cell's round 0")
-    time.sleep(3.0)
+    _wait_at_work(proc, lambda: list(cell.glob("*")), 1)
     status, err, seconds = stop(proc, signal.SIGINT)
     print(f"compare: exit {status} after {seconds:.1f} s")
     assert status == 130, err[-3000:]

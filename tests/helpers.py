@@ -123,7 +123,9 @@ def kill_run_inside_round(cmd: list[str], out: Path, server_round: int, timeout:
                           env: dict[str, str] | None = None) -> None:
     """Start ``cmd`` (a ``fedspear run`` on the simulation engine writing to ``out``), wait until a client is at work
     on round ``server_round`` (``client_at_work``, looked at every 20 ms), and kill -9 the whole run at once: its
-    process group and every descendant (Ray's processes too). The round's record is then not written.
+    process group and every descendant (Ray's processes too). The round's record is then not written: the group is
+    stopped (SIGSTOP) the moment the client is seen, so the server cannot record the round while the descendants are
+    looked up.
 
     Raises:
         AssertionError: no client was seen at work on that round within ``timeout`` s (the run ended, or the round
@@ -137,6 +139,7 @@ def kill_run_inside_round(cmd: list[str], out: Path, server_round: int, timeout:
                 os.killpg(run.pid, signal.SIGKILL)
             raise AssertionError(f"no client was seen at work on round {server_round} (exit {run.poll()})")
         time.sleep(0.02)
+    os.killpg(run.pid, signal.SIGSTOP)
     family = descendants(run.pid)
     os.killpg(run.pid, signal.SIGKILL)
     for pid in family:

@@ -88,7 +88,7 @@ def test_a_paper_preset_round_on_a_random_model_of_an_exports_shape(tmp_path):
     assert "2 client-rounds side by side" in proc.stdout and both["stopped_at_deadline"] is False
     # a deadline before any round ends: the processes are stopped (none left running), the step fails saying so
     late = tmp_path / "late.json"
-    proc = _steps("clients", "--model", str(model), "--clients", "2", "--rounds", "1", "--small", "--deadline", "2",
+    proc = _steps("clients", "--model", str(model), "--clients", "2", "--rounds", "1", "--small", "--deadline", "0.5",
                   "--out", str(late), env=cache)
     assert proc.returncode == 1 and "no round finished by all 2 clients" in proc.stdout
     assert _processes_naming(late.with_suffix(".d")) == [] and not late.exists()

@@ -12,7 +12,8 @@ from fedspear import losses as L
 from fedspear.interaction import Trace, interact, render
 from fedspear.runtime.model import get_adapter, set_adapter
 from fedspear.tasks import arc_challenge
-from fedspear.training import TrainSettings, completion_logprobs, local_train, pack, pair_margin
+from fedspear.training import (TrainSettings, completion_logprobs, local_train, pack, pair_margin,
+                               shared_context_logprobs)
 
 
 def test_pack_left_pads_so_completions_end_together():
@@ -70,6 +71,32 @@ def test_pair_margin_is_eq8_averaged_over_the_pairs(tiny):
     assert pairs == 3
     assert got == pytest.approx(want, abs=1e-4)
     assert pair_margin(model, [win_a], [lose_c], 0, tau, "fp32") == (pytest.approx(float("nan"), nan_ok=True), 0)
+
+
+@pytest.mark.parametrize("rows", [16, 2, 1])
+def test_shared_context_logprobs_equal_a_forward_over_each_trace_alone(tiny, rows):
+    """Each distinct context runs once and its KV cache serves every completion of it (three traces of context
+    ``a``, of different lengths, one with EOS; one of ``b``; an empty completion; a context ten times longer, which
+    runs in a length bucket of its own): every trace's log-probs equal a plain forward over it alone, in the order
+    given, whether a forward holds every trace of a bucket or fewer than a context has (``rows`` 2 and 1: a
+    context's traces then run together anyway)."""
+    model, _ = tiny
+    model.eval()
+    traces = [Trace("a", [5, 6, 7, 8], [9, 10, 11], True), Trace("b", [12], [13, 14], False),
+              Trace("a", [5, 6, 7, 8], [20, 21, 22, 23, 2], True), Trace("a", [5, 6, 7, 8], [30], False),
+              Trace("d", list(range(60, 100)), [101, 102], False), Trace("c", [40, 41, 42, 43, 44, 45], [], False)]
+    calls = []
+    hook = model.register_forward_hook(lambda module, args, kwargs, out: calls.append(kwargs["input_ids"].shape),
+                                       with_kwargs=True)
+    try:
+        got = shared_context_logprobs(model, traces, 0, "fp32", rows=rows)
+    finally:
+        hook.remove()
+    assert [tuple(g.shape) for g in got] == [(3,), (2,), (5,), (1,), (2,), (0,)]
+    for g, t in zip(got[:5], traces):
+        torch.testing.assert_close(g, _alone_logprobs(model, t), atol=1e-5, rtol=1e-5)
+    if rows == 16:  # two length buckets, each a forward over its contexts and one over its completions
+        assert [tuple(c) for c in calls] == [(3, 6), (5, 5), (1, 40), (1, 2)]
 
 
 def test_no_wins_means_no_local_steps(tiny):

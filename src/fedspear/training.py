@@ -325,15 +325,19 @@ def local_train(
 
     stats.update(optimise(model, micro_step, settings, lr=lr, seed=seed))
     stats["active_tokens"] = int(stats.pop("active_tokens_sum"))
-    stats["margin"], stats["margin_pairs"] = pair_margin(model, wins, losses, pad, settings.tau, dtype_used)
+    stats["margin"], stats["margin_pairs"] = pair_margin(model, wins, losses, pad, settings.tau, dtype_used,
+                                                         rows=2 * settings.batch_size)  # a micro-step's rows
     stats["seconds_train"] = time.perf_counter() - t0
     model.eval()
     return stats
 
 
 @torch.no_grad()
-def pair_margin(model, wins, losses, pad: int, tau: int, dtype_used: str) -> tuple[float, int]:
+def pair_margin(model, wins, losses, pad: int, tau: int, dtype_used: str, rows: int = 16) -> tuple[float, int]:
     """Mean SPEAR margin M_τ (paper §4, Eq. 8) over (win, lose) pairs that share a context.
+
+    A win pairs with every loss of its ``uid``; each trace of a pair is scored once (a win of two pairs too) and
+    each distinct context once (:func:`shared_context_logprobs`, at most ``rows`` traces per forward).
 
     Returns:
         ``(mean margin in nats per token, number of pairs)``; ``(nan, 0)`` without pairs.
@@ -345,10 +349,92 @@ def pair_margin(model, wins, losses, pad: int, tau: int, dtype_used: str) -> tup
     was_training = model.training
     model.eval()
     device = model_device(model)
-    win_batch = pack([w for w, _ in pairs], pad, device)
-    lose_batch = pack([l for _, l in pairs], pad, device)
-    win_logp = completion_logprobs(model, win_batch, dtype_used)
-    lose_logp = completion_logprobs(model, lose_batch, dtype_used)
-    m = L.margin(win_logp, win_batch.completion_mask, lose_logp, L.tail_mask(lose_batch.tail_base, tau))
+    scored = list({id(t): t for pair in pairs for t in pair}.values())
+    logp = dict(zip(map(id, scored), shared_context_logprobs(model, scored, pad, dtype_used, rows)))
     model.train(was_training)
+
+    def right_padded(traces, drop_eos: bool) -> tuple[torch.Tensor, torch.Tensor]:
+        width = max(1, max(len(t.completion_ids) for t in traces))
+        values = torch.zeros((len(traces), width), device=device)  # [P, C]
+        mask = torch.zeros((len(traces), width), dtype=torch.bool, device=device)  # [P, C]
+        for i, t in enumerate(traces):
+            n = len(t.completion_ids)
+            values[i, :n] = logp[id(t)]
+            mask[i, : n - int(drop_eos and t.has_eos)] = True
+        return values, mask
+
+    win_logp, win_mask = right_padded([w for w, _ in pairs], drop_eos=False)
+    lose_logp, lose_base = right_padded([l for _, l in pairs], drop_eos=True)
+    m = L.margin(win_logp, win_mask, lose_logp, L.tail_mask(lose_base, tau))  # [P]
     return float(m.mean()), len(pairs)
+
+
+@torch.no_grad()
+def shared_context_logprobs(model, traces: Sequence[Trace], pad: int, dtype_used: str,
+                            rows: int = 16) -> list[torch.Tensor]:
+    """log p_θ(y_i | c0, y_<i) of every completion token of each trace → one ``[len(y)]`` float32 tensor per trace,
+    on the model's device (no gradient).
+
+    Traces that share a context (a prompt's rollouts and its revision: the same ``prompt_ids``) share its forward:
+    the distinct contexts run once, left padded, keeping their KV cache and the logits of their last position (which
+    predict each completion's first token); the cache's rows are then repeated per trace (``Cache.reorder_cache``)
+    and the completions run after it, right padded, with positions continuing each context's. What
+    :func:`completion_logprobs` over each trace gives, without computing a context more than once. Contexts whose
+    lengths (with their longest completion) differ much run in two length buckets (:func:`length_buckets`), and a
+    forward holds at most ``rows`` traces (a context's traces stay together), so its ``[rows, C, V]`` logits are
+    bounded as a training micro-step's.
+    """
+    device = model_device(model)
+    out: list[torch.Tensor | None] = [None] * len(traces)
+    by_context: dict[tuple[int, ...], list[int]] = {}
+    for i, t in enumerate(traces):
+        by_context.setdefault(tuple(t.prompt_ids), []).append(i)
+    groups = list(by_context.items())
+    longest = [len(c) + max(len(traces[i].completion_ids) for i in g) for c, g in groups]
+    for bucket in length_buckets(longest):  # contexts of very different lengths: two forwards, each padded less
+        chunk: list[tuple[tuple[int, ...], list[int]]] = []
+        for k, j in enumerate(bucket):
+            chunk.append(groups[j])
+            if k + 1 == len(bucket) or sum(len(g) for _, g in chunk) + len(groups[bucket[k + 1]][1]) > rows:
+                _score_contexts(model, traces, chunk, pad, dtype_used, device, out)
+                chunk = []
+    return out  # type: ignore[return-value]
+
+
+def _score_contexts(model, traces, chunk, pad: int, dtype_used: str, device, out: list) -> None:
+    """``shared_context_logprobs`` for one forward: ``chunk`` is ``[(context ids, indices of its traces)]``; the
+    results go to ``out[index]``."""
+    contexts = [c for c, _ in chunk]
+    index = [i for _, group in chunk for i in group]  # trace indices, row order
+    row_context = [k for k, (_, group) in enumerate(chunk) for _ in group]
+    width = max(len(c) for c in contexts)
+    ids = torch.full((len(contexts), width), pad, dtype=torch.long, device=device)  # [U, P]
+    attention = torch.zeros((len(contexts), width), dtype=torch.long, device=device)  # [U, P]
+    for k, c in enumerate(contexts):
+        ids[k, width - len(c):] = torch.tensor(c, device=device)
+        attention[k, width - len(c):] = 1
+    lengths = [len(traces[i].completion_ids) for i in index]
+    window = max(lengths)
+    if window == 0:
+        for i in index:
+            out[i] = torch.zeros(0, device=device)
+        return
+    completions = torch.full((len(index), window), pad, dtype=torch.long, device=device)  # [T, C]
+    filled = torch.zeros((len(index), window), dtype=torch.long, device=device)  # [T, C]
+    for r, i in enumerate(index):
+        completions[r, : lengths[r]] = torch.tensor(traces[i].completion_ids, device=device)
+        filled[r, : lengths[r]] = 1
+    select = torch.tensor(row_context, device=device)  # [T]
+    with autocast(dtype_used, device.type):
+        first = model(input_ids=ids, attention_mask=attention, position_ids=(attention.cumsum(1) - 1).clamp(min=0),
+                      use_cache=True, logits_to_keep=1)
+        cache = first.past_key_values
+        cache.reorder_cache(select)
+        context_attention = attention[select]  # [T, P]
+        positions = context_attention.sum(1, keepdim=True) + torch.arange(window, device=device)  # [T, C]
+        rest = model(input_ids=completions, attention_mask=torch.cat([context_attention, filled], 1),
+                     position_ids=positions, past_key_values=cache, use_cache=True)
+    logits = torch.cat([first.logits[select, -1:], rest.logits[:, :-1]], 1)  # [T, C, V]: column j predicts token j
+    logp = L.token_logprobs(logits, completions)  # [T, C]
+    for r, i in enumerate(index):
+        out[i] = logp[r, : lengths[r]]

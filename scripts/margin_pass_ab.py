@@ -2,10 +2,10 @@
 once: both ways on the same traces, alternating, on the packaged model and real ARC prompts.
 
 The traces are one interaction phase over the first ``--prompts`` ARC-Challenge train items (the exact oracle, a
-random adapter so it counts); "packed" is the way before 2026-12-05 (kept here: each pair's win and loss packed into
-two forwards over context and completion, a win or context of several pairs again each time), "shared" is
-``pair_margin`` now (``shared_context_logprobs``). Prints the margin both ways (τ = 0 and 16) and each way's
-seconds, median of ``--reps`` alternating runs.
+random adapter so it counts); "packed" is the way before 2026-12-05 (kept here: the pairs' wins packed into one
+forward and their losses into another, each over context and completion, so each pair ran its context twice),
+"shared" is ``pair_margin`` now (``shared_context_logprobs``: each context once). Prints the margin both ways
+(τ = 0 and 16) and each way's seconds, median of ``--reps`` alternating runs.
 
     .venv/bin/python scripts/margin_pass_ab.py --dtype auto
     .venv/bin/python scripts/margin_pass_ab.py --dtype fp32

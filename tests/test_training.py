@@ -73,15 +73,33 @@ def test_pair_margin_is_eq8_averaged_over_the_pairs(tiny):
     assert pair_margin(model, [win_a], [lose_c], 0, tau, "fp32") == (pytest.approx(float("nan"), nan_ok=True), 0)
 
 
-@pytest.mark.parametrize("rows", [16, 2, 1])
-def test_shared_context_logprobs_equal_a_forward_over_each_trace_alone(tiny, rows):
+@pytest.fixture(scope="module")
+def tiny_trained():
+    """A tiny random Llama with a LoRA adapter whose B matrices are random (so the adapter counts) and dropout 0.1."""
+    from fedspear.runtime.model import LoraSettings, add_lora, tiny_model
+
+    base, _ = tiny_model(seed=0)
+    return with_random_adapter(add_lora(base, LoraSettings(r=4, alpha=8, dropout=0.1), seed=0))
+
+
+@pytest.mark.parametrize("rows, forwards", [
+    (16, [(3, 6), (5, 4), (1, 40), (1, 1)]),
+    (2, [(2, 6), (2, 1), (1, 4), (3, 4), (1, 40), (1, 1)]),
+    (1, [(1, 1), (1, 1), (1, 4), (3, 4), (1, 40), (1, 1)]),
+])
+def test_shared_context_logprobs_equal_a_forward_over_each_trace_alone(tiny_trained, rows, forwards):
     """Each distinct context runs once and its KV cache serves every completion of it (three traces of context
-    ``a``, of different lengths, one with EOS; one of ``b``; an empty completion; a context ten times longer, which
-    runs in a length bucket of its own): every trace's log-probs equal a plain forward over it alone, in the order
-    given, whether a forward holds every trace of a bucket or fewer than a context has (``rows`` 2 and 1: a
-    context's traces then run together anyway)."""
-    model, _ = tiny
-    model.eval()
+    ``a``, of different lengths, one with EOS; one of ``b``; an empty completion ``c``; a context ten times longer,
+    ``d``): every trace's log-probs equal a plain forward over it alone in eval mode, in the order given, and the
+    model is left in train mode as it came.
+
+    The forwards, by hand: the contexts with their longest completion are 9, 3, 42 and 6 tokens, so ``d`` runs in a
+    length bucket of its own (``length_buckets``: 3 · 9 + 42 < 4 · 42 · 0.9); in each bucket the contexts run
+    (left padded to the longest) and then the completions but their last token (a one-token completion needs no
+    second forward, an empty one none at all). ``rows`` traces at most per forward, a context's traces together:
+    with 2, ``b`` and ``c`` share one and ``a`` takes its three; with 1, each context runs alone."""
+    model = tiny_trained
+    model.train()
     traces = [Trace("a", [5, 6, 7, 8], [9, 10, 11], True), Trace("b", [12], [13, 14], False),
               Trace("a", [5, 6, 7, 8], [20, 21, 22, 23, 2], True), Trace("a", [5, 6, 7, 8], [30], False),
               Trace("d", list(range(60, 100)), [101, 102], False), Trace("c", [40, 41, 42, 43, 44, 45], [], False)]
@@ -92,11 +110,12 @@ def test_shared_context_logprobs_equal_a_forward_over_each_trace_alone(tiny, row
         got = shared_context_logprobs(model, traces, 0, "fp32", rows=rows)
     finally:
         hook.remove()
+    assert model.training
     assert [tuple(g.shape) for g in got] == [(3,), (2,), (5,), (1,), (2,), (0,)]
+    assert [tuple(c) for c in calls] == forwards
+    model.eval()
     for g, t in zip(got[:5], traces):
         torch.testing.assert_close(g, _alone_logprobs(model, t), atol=1e-5, rtol=1e-5)
-    if rows == 16:  # two length buckets, each a forward over its contexts and one over its completions
-        assert [tuple(c) for c in calls] == [(3, 6), (5, 5), (1, 40), (1, 2)]
 
 
 def test_no_wins_means_no_local_steps(tiny):

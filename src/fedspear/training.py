@@ -336,8 +336,8 @@ def local_train(
 def pair_margin(model, wins, losses, pad: int, tau: int, dtype_used: str, rows: int = 16) -> tuple[float, int]:
     """Mean SPEAR margin M_τ (paper §4, Eq. 8) over (win, lose) pairs that share a context.
 
-    A win pairs with every loss of its ``uid``; each trace of a pair is scored once (a win of two pairs too) and
-    each distinct context once (:func:`shared_context_logprobs`, at most ``rows`` traces per forward).
+    A win pairs with every loss of its ``uid`` (SPEAR's interaction gives a prompt at most one of each); the two
+    traces of a pair share their context's forward (:func:`shared_context_logprobs`, ``rows`` traces per forward).
 
     Returns:
         ``(mean margin in nats per token, number of pairs)``; ``(nan, 0)`` without pairs.
@@ -346,12 +346,9 @@ def pair_margin(model, wins, losses, pad: int, tau: int, dtype_used: str, rows: 
     pairs = [(by_uid[t.uid], t) for t in losses if t.uid in by_uid]
     if not pairs:
         return float("nan"), 0
-    was_training = model.training
-    model.eval()
     device = model_device(model)
     scored = list({id(t): t for pair in pairs for t in pair}.values())
     logp = dict(zip(map(id, scored), shared_context_logprobs(model, scored, pad, dtype_used, rows)))
-    model.train(was_training)
 
     def right_padded(traces, drop_eos: bool) -> tuple[torch.Tensor, torch.Tensor]:
         width = max(1, max(len(t.completion_ids) for t in traces))
@@ -360,7 +357,7 @@ def pair_margin(model, wins, losses, pad: int, tau: int, dtype_used: str, rows: 
         for i, t in enumerate(traces):
             n = len(t.completion_ids)
             values[i, :n] = logp[id(t)]
-            mask[i, : n - int(drop_eos and t.has_eos)] = True
+            mask[i, : max(0, n - int(drop_eos and t.has_eos))] = True
         return values, mask
 
     win_logp, win_mask = right_padded([w for w, _ in pairs], drop_eos=False)
@@ -373,7 +370,8 @@ def pair_margin(model, wins, losses, pad: int, tau: int, dtype_used: str, rows: 
 def shared_context_logprobs(model, traces: Sequence[Trace], pad: int, dtype_used: str,
                             rows: int = 16) -> list[torch.Tensor]:
     """log p_θ(y_i | c0, y_<i) of every completion token of each trace → one ``[len(y)]`` float32 tensor per trace,
-    on the model's device (no gradient).
+    on the model's device (no gradient; the model in eval mode meanwhile: no dropout, a KV cache even where
+    gradient checkpointing is on).
 
     Traces that share a context (a prompt's rollouts and its revision: the same ``prompt_ids``) share its forward:
     the distinct contexts run once, left padded, keeping their KV cache and the logits of their last position (which
@@ -381,9 +379,18 @@ def shared_context_logprobs(model, traces: Sequence[Trace], pad: int, dtype_used
     and the completions run after it, right padded, with positions continuing each context's. What
     :func:`completion_logprobs` over each trace gives, without computing a context more than once. Contexts whose
     lengths (with their longest completion) differ much run in two length buckets (:func:`length_buckets`), and a
-    forward holds at most ``rows`` traces (a context's traces stay together), so its ``[rows, C, V]`` logits are
-    bounded as a training micro-step's.
+    forward holds at most ``rows`` traces, or the traces of one context where it has more (they stay together): its
+    ``[rows, C, V]`` logits are bounded as a training micro-step's (``rows`` = 2 × its batch size).
     """
+    was_training = model.training
+    model.eval()
+    try:
+        return _shared_context_logprobs(model, traces, pad, dtype_used, rows)
+    finally:
+        model.train(was_training)
+
+
+def _shared_context_logprobs(model, traces, pad: int, dtype_used: str, rows: int) -> list[torch.Tensor]:
     device = model_device(model)
     out: list[torch.Tensor | None] = [None] * len(traces)
     by_context: dict[tuple[int, ...], list[int]] = {}
@@ -426,15 +433,23 @@ def _score_contexts(model, traces, chunk, pad: int, dtype_used: str, device, out
         filled[r, : lengths[r]] = 1
     select = torch.tensor(row_context, device=device)  # [T]
     with autocast(dtype_used, device.type):
-        first = model(input_ids=ids, attention_mask=attention, position_ids=(attention.cumsum(1) - 1).clamp(min=0),
-                      use_cache=True, logits_to_keep=1)
-        cache = first.past_key_values
+        out_context = model(input_ids=ids, attention_mask=attention,
+                            position_ids=(attention.cumsum(1) - 1).clamp(min=0), use_cache=True, logits_to_keep=1)
+    first = out_context.logits[select, -1:]  # [T, 1, V]: a context's last position predicts its completions' first
+    rest = None
+    if window > 1:  # the completions but their last token (whose logits would predict nothing scored)
+        cache = out_context.past_key_values
+        del out_context
         cache.reorder_cache(select)
         context_attention = attention[select]  # [T, P]
-        positions = context_attention.sum(1, keepdim=True) + torch.arange(window, device=device)  # [T, C]
-        rest = model(input_ids=completions, attention_mask=torch.cat([context_attention, filled], 1),
-                     position_ids=positions, past_key_values=cache, use_cache=True)
-    logits = torch.cat([first.logits[select, -1:], rest.logits[:, :-1]], 1)  # [T, C, V]: column j predicts token j
-    logp = L.token_logprobs(logits, completions)  # [T, C]
+        positions = context_attention.sum(1, keepdim=True) + torch.arange(window - 1, device=device)  # [T, C-1]
+        with autocast(dtype_used, device.type):
+            rest = model(input_ids=completions[:, :-1], position_ids=positions, past_key_values=cache,
+                         attention_mask=torch.cat([context_attention, filled[:, :-1]], 1), use_cache=True).logits
+        del cache  # [T, C-1, V] logits kept, not the cache
+    parts = [L.token_logprobs(first, completions[:, :1])]  # [T, 1]
+    if rest is not None:
+        parts.append(L.token_logprobs(rest, completions[:, 1:]))  # [T, C-1]
+    logp = torch.cat(parts, 1)  # [T, C]: column j is completion token j's
     for r, i in enumerate(index):
         out[i] = logp[r, : lengths[r]]

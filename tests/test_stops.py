@@ -13,6 +13,7 @@ import signal
 import subprocess
 import sys
 import textwrap
+import threading
 import time
 from pathlib import Path
 
@@ -106,7 +107,7 @@ PROGRAM = textwrap.dedent("""
 
 
 @pytest.mark.parametrize("signum, mode, code, most", [
-    (signal.SIGINT, "main", 130, 10.0), (signal.SIGTERM, "main", 143, 10.0),
+    (signal.SIGINT, "main", 130, 10.0), (signal.SIGTERM, "main", 143, 10.0), (signal.SIGHUP, "main", 129, 10.0),
     (signal.SIGTERM, "cooperative", 143, 10.0)])
 def test_a_signal_ends_the_command_its_children_and_prints_one_line(tmp_path, signum, mode, code, most):
     """The child ignores SIGTERM and SIGINT: it is ended by SIGKILL after the grace. In a cooperative section that
@@ -124,6 +125,52 @@ def test_a_signal_ends_the_command_its_children_and_prints_one_line(tmp_path, si
     assert session(proc.pid) == []
     if mode == "cooperative":
         assert seconds >= 3.0  # it waited for the work to notice until the deadline
+
+
+def _ignore_sighup() -> None:
+    _default_sigint()
+    signal.signal(signal.SIGHUP, signal.SIG_IGN)
+
+
+def test_under_nohup_a_hang_up_is_ignored_and_ctrl_c_still_stops(tmp_path):
+    """Started with SIGHUP ignored (as ``nohup`` starts a command), the command leaves it ignored: a hang-up to its
+    process group changes nothing (the command and its child still run 1 s later); Ctrl-C then stops it as usual."""
+    script = tmp_path / "prog.py"
+    script.write_text(PROGRAM)
+    proc = subprocess.Popen([sys.executable, str(script), "main"], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, start_new_session=True, preexec_fn=_ignore_sighup, env=dict(os.environ))
+    child = int(proc.stdout.readline())
+    time.sleep(0.5)
+    os.killpg(proc.pid, signal.SIGHUP)
+    time.sleep(1.0)
+    assert proc.poll() is None and psutil.Process(child).status() != psutil.STATUS_ZOMBIE
+    status, err, _ = stop(proc, signal.SIGINT)
+    assert status == 130, err
+    assert err.strip().splitlines()[-1] == "stopped by SIGINT at step 3; resume with: again"
+    assert session(proc.pid) == []
+
+
+def test_ending_processes_does_not_wait_for_a_zombie_nobody_reaps(tmp_path):
+    """A killed process whose parent does not reap it stays a zombie (as Ray's workers do when their raylet is killed
+    with them and PID 1 does not reap orphans): ``end_processes`` counts it as ended and returns at once, where
+    waiting for its PID to vanish would take the whole 2 s allowed after SIGKILL at every stop."""
+    from fedspear import stops
+
+    parent = subprocess.Popen([sys.executable, "-c", "import subprocess, sys, time; "
+                               "print(subprocess.Popen(['sleep', '60']).pid, flush=True); time.sleep(60)"],
+                              stdout=subprocess.PIPE, text=True)
+    try:
+        grandchild = psutil.Process(int(parent.stdout.readline()))
+        assert grandchild.ppid() == parent.pid  # not this process's child: nothing here can reap it
+        ended = []
+        worker = threading.Thread(target=lambda: ended.append(stops.end_processes([grandchild], kill_after=0)))
+        worker.start()
+        worker.join(timeout=1.0)
+        assert ended == [[]], "still waiting 1 s after SIGKILL"
+        assert grandchild.status() == psutil.STATUS_ZOMBIE  # ended, and still there for its parent to reap
+    finally:
+        parent.kill()
+        parent.wait()
 
 
 def test_a_second_signal_ends_the_command_at_once(tmp_path):
@@ -330,20 +377,22 @@ def test_ctrl_c_stops_the_run_and_the_resumed_run_equals_an_uninterrupted_one(tm
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("group", [True, False], ids=["process-group", "cli-only"])
-def test_sigterm_stops_the_run_and_ray_with_it(tmp_path, group):
+@pytest.mark.parametrize("signum, group", [(signal.SIGTERM, True), (signal.SIGTERM, False), (signal.SIGHUP, True)],
+                         ids=["sigterm-process-group", "sigterm-cli-only", "sighup-process-group"])
+def test_sigterm_or_a_hang_up_stops_the_run_and_ray_with_it(tmp_path, signum, group):
     """SIGTERM to the process group reaches Ray's own services too (they block only SIGINT); ``kill <pid>`` reaches
-    the CLI alone. Either way: exit 143 within 10 s, no process of the session left (Ray's DashboardAgent and
-    RuntimeEnvAgent included), the rounds finished so far kept and readable (round 0, and round 1 where the client's
-    reply was already on its way) and named by the line."""
-    out = tmp_path / "run"
-    status, err, seconds = _stopped_run(out, signal.SIGTERM, after_round=0, group=group)
+    the CLI alone; SIGHUP to the process group is what a closed terminal sends. Each way: exit 128 + the signal
+    (143, 129) within 10 s, no process of the session left (Ray's DashboardAgent and RuntimeEnvAgent included), the
+    rounds finished so far kept and readable (round 0, and round 1 where the client's reply was already on its way)
+    and named by the line."""
+    out, name = tmp_path / "run", signal.Signals(signum).name
+    status, err, seconds = _stopped_run(out, signum, after_round=0, group=group)
     kept = [r["round"] for r in _records(out)]
-    print(f"SIGTERM ({'group' if group else 'pid'}): exit {status} after {seconds:.1f} s, rounds {kept} kept")
-    assert status == 143, err[-3000:]
+    print(f"{name} ({'group' if group else 'pid'}): exit {status} after {seconds:.1f} s, rounds {kept} kept")
+    assert status == 128 + signum, err[-3000:]
     assert kept in ([0], [0, 1]), kept
     assert err.strip().splitlines()[-1].startswith(
-        f"stopped by SIGTERM after round {kept[-1]} of 3 ({out} keeps rounds 0–{kept[-1]}")
+        f"stopped by {name} after round {kept[-1]} of 3 ({out} keeps rounds 0–{kept[-1]}")
 
 
 @pytest.mark.slow

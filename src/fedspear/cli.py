@@ -314,7 +314,7 @@ def run(
         _fail(str(err))
     except OSError as err:  # a folder that check_output could not foresee (a special file system)
         _fail(f"{err.filename or cfg.output_dir}: {err.strerror or err}")
-    with Stops(run_line(cfg.output_dir, cfg.rounds)):  # SIGINT / SIGTERM: fedspear.stops
+    with Stops(run_line(cfg.output_dir, cfg.rounds)):  # SIGINT / SIGTERM / SIGHUP: fedspear.stops
         _run(cfg, verbose)
 
 

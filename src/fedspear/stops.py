@@ -1,5 +1,6 @@
-"""Clean stops: SIGINT (Ctrl-C) and SIGTERM end a command within seconds, with every process it started, one line
-saying where it stopped and how to go on, and exit code 128 + the signal's number (130, 143). No ``flwr`` import.
+"""Clean stops: SIGINT (Ctrl-C), SIGTERM and SIGHUP (a closed terminal or SSH session) end a command within seconds,
+with every process it started, one line saying where it stopped and how to go on, and exit code 128 + the signal's
+number (130, 143, 129). No ``flwr`` import.
 
 ``fedspear run``, ``compare``, ``eval``, ``node-worker`` and ``chat`` run inside ``Stops`` (a context manager)::
 
@@ -8,7 +9,10 @@ saying where it stopped and how to go on, and exit code 128 + the signal's numbe
 
 **Decisions (2026-11-27, issue 42).**
 
-- *Handlers.* ``Stops`` installs one handler for both signals (``signal.signal``, main thread). The first signal sets
+- *Handlers.* ``Stops`` installs one handler for the three signals (``signal.signal``, main thread), but leaves
+  SIGHUP ignored where it was (``nohup``: the command then outlives its terminal, as asked; decision 2026-12-05).
+  Python's default for SIGHUP ends the process at once, leaving Ray's processes behind and the round in flight
+  unsaid; handled, a hang-up stops the command as SIGTERM does. The first signal sets
   ``requested()``; in the main thread it then raises ``Stopped`` where the command is, as Ctrl-C raises
   KeyboardInterrupt — enough for commands whose work runs in the main thread (eval, compare, node-worker, chat).
 - *Cooperative sections.* ``fedspear run``'s main thread sits inside Flower's simulation engine while the ServerApp
@@ -44,19 +48,21 @@ import signal
 import subprocess
 import sys
 import threading
+import time
 from pathlib import Path
 from contextlib import contextmanager
 from typing import Any, Callable, Iterable, Iterator
 
 import psutil
 
-SIGNALS = (signal.SIGINT, signal.SIGTERM)
+SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 KILL_AFTER = 2.0  # seconds between SIGTERM and SIGKILL for processes left behind
 DEADLINE = 6.0  # seconds after the first signal before the command is ended at once
 
 
 class Stopped(BaseException):
-    """The command was asked to stop by ``signum`` (SIGINT or SIGTERM); ``code`` is the exit status to end with.
+    """The command was asked to stop by ``signum`` (SIGINT, SIGTERM or SIGHUP); ``code`` is the exit status to end
+    with.
 
     A ``BaseException``, as KeyboardInterrupt is: code that catches ``Exception`` to report a failure and go on (a
     node worker's request, Flower's engine) must not take a stop for one."""
@@ -117,15 +123,29 @@ def remember_children(besides: Iterable[psutil.Process] = ()) -> None:
 def end_processes(procs: Iterable[psutil.Process], kill_after: float = KILL_AFTER) -> list[psutil.Process]:
     """SIGTERM to each live process of ``procs``, SIGKILL to those alive ``kill_after`` s later (at once when
     ``kill_after`` is 0). Returns the processes still alive afterwards (normally none)."""
-    alive = [p for p in procs if _alive(p)]
+    running = [p for p in procs if alive(p)]
     if kill_after > 0:
-        for proc in alive:
+        for proc in running:
             _signal(proc, signal.SIGTERM)
-        _, alive = psutil.wait_procs(alive, timeout=kill_after)
-    for proc in alive:
+        running = _wait_gone(running, kill_after)
+    for proc in running:
         _signal(proc, signal.SIGKILL)
-    _, alive = psutil.wait_procs(alive, timeout=2.0)
-    return [p for p in alive if _alive(p)]
+    return _wait_gone(running, 2.0)
+
+
+def _wait_gone(procs: list[psutil.Process], timeout: float) -> list[psutil.Process]:
+    """Wait until each of ``procs`` has ended, at most ``timeout`` s; returns those still running. An ended process
+    whose parent has not reaped it yet (a zombie) counts as ended: those of this process are reaped here, but one
+    orphaned with its parent (Ray's workers when their raylet is killed with them) waits for PID 1, which in a
+    container may never reap it (``psutil.wait_procs`` would then wait out the whole ``timeout``: 2 s of every
+    stop that kills a tree)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        psutil.wait_procs(procs, timeout=0)  # reaps the ended children of this process
+        running = [p for p in procs if alive(p)]
+        if not running or time.monotonic() >= deadline:
+            return running
+        time.sleep(0.02)
 
 
 def _signal(proc: psutil.Process, signum: int) -> None:
@@ -135,7 +155,8 @@ def _signal(proc: psutil.Process, signum: int) -> None:
         pass
 
 
-def _alive(proc: psutil.Process) -> bool:
+def alive(proc: psutil.Process) -> bool:
+    """Whether ``proc`` still runs (a zombie, ended but not yet reaped by its parent, does not)."""
     try:
         return proc.is_running() and proc.status() != psutil.STATUS_ZOMBIE
     except psutil.Error:
@@ -147,8 +168,14 @@ def _descendants() -> list[psutil.Process]:
     return list({**_state["remembered"], **{p.pid: p for p in children()}}.values())
 
 
+def handled_signals() -> tuple[int, ...]:
+    """The signals a ``Stops`` block takes now: ``SIGNALS``, less SIGHUP where this process ignores it (started
+    under ``nohup``, or by a parent that ignores it: an ignored signal stays ignored across ``exec``)."""
+    return tuple(s for s in SIGNALS if not (s == signal.SIGHUP and signal.getsignal(s) == signal.SIG_IGN))
+
+
 class Stops:
-    """Handle SIGINT and SIGTERM for one command (see the module docstring).
+    """Handle SIGINT, SIGTERM and SIGHUP (``handled_signals``) for one command (see the module docstring).
 
     ``line(signum)`` is the one line printed (to stderr) when the command stops: where it stopped and how to go on.
     Leaving the block by ``Stopped`` (or normally after a stop was asked for) ends the remaining child processes,
@@ -164,12 +191,12 @@ class Stops:
     def __enter__(self) -> "Stops":
         _event.clear()
         _state.update(signum=None, cooperative=0, on_stop=[], remembered={}, active=self)
-        self._saved = {s: signal.signal(s, self._handle) for s in SIGNALS}
+        self._saved = {s: signal.signal(s, self._handle) for s in handled_signals()}
         return self
 
     def reinstall(self) -> None:
         """Take the signals back from a library that installed its own handlers (``ray.init`` sets SIGTERM's)."""
-        for s in SIGNALS:
+        for s in self._saved:
             signal.signal(s, self._handle)
 
     def _handle(self, signum: int, frame: Any) -> None:
@@ -291,8 +318,6 @@ class StoppableGrid:
         return getattr(self._grid, name)
 
     def send_and_receive(self, messages: Iterable[Any], *, timeout: float | None = None) -> list[Any]:
-        import time
-
         check()
         pending = set(self._grid.push_messages(messages))
         end = None if timeout is None else time.monotonic() + timeout

@@ -4,7 +4,7 @@ On the CPU one Ray actor holds one base model and plays every simulated client i
 equals the CPUs Ray may use, so exactly one actor fits); on a GPU, ``client_gpus`` sets how many actors share it
 (``backend_config``). The ServerApp runs in this process and does the central
 evaluation. Flower and Ray keep their state under ``<output_dir>/.flwr`` and ``/tmp/ray``; telemetry, update checks
-and runtime dependency installation are off. SIGINT and SIGTERM stop the run cleanly (``start_ray``,
+and runtime dependency installation are off. SIGINT, SIGTERM and SIGHUP stop the run cleanly (``start_ray``,
 ``stop_ray_workers``, ``fedspear.stops``).
 """
 
@@ -65,26 +65,34 @@ def start_ray(backend_config: dict) -> None:
 def stop_ray_workers() -> None:
     """At a stop: SIGTERM to Ray's worker processes (the client actor, ``ray::ClientAppActor``; idle workers), so the
     engine's threads waiting on them return and Flower winds down (``RayBackend.terminate``, ``ray.shutdown``). Ray's
-    own services are left to ``ray.shutdown``. The engine's error logs about the stopped workers are silenced."""
+    own services are left to ``ray.shutdown``, unless the signal reached them too: then a watcher thread ends the run
+    at once (``stops.end_now``; the comment below says when). The engine's error logs about the stopped workers are
+    silenced."""
     import threading
 
     import psutil
 
     logging.getLogger("flwr").setLevel(logging.CRITICAL)
+    workers = []
     for proc in psutil.Process().children(recursive=True):
         try:
             title = (proc.cmdline() or [""])[0]
             if title.startswith("ray::") and not title.endswith("Agent"):
                 proc.terminate()
+                workers.append(proc)
         except psutil.Error:
             continue
-    # A signal to the whole process group reaches Ray's own services too (they block SIGINT, not SIGTERM): without
-    # its raylet and GCS the engine cannot wind down (its calls into Ray wait for them), so the run ends at once.
+    # A signal to the whole process group reaches Ray's own services too. SIGHUP ends its raylet and GCS, and
+    # without them the engine cannot wind down (its calls into Ray wait for them). SIGTERM starts their own
+    # shutdown instead, during which a worker given SIGTERM does not exit (Ray 2.55 on 2 cores: the actor, raylet and
+    # GCS all still there 5.6 s later, until the deadline), and again nothing winds down. After 1.5 s, either sign
+    # (a service gone, a terminated worker still running) ends the run at once, as the deadline would; a stop that
+    # reached the CLI alone has its workers gone by then (≈ 0.5 s on 2 cores).
     services = [p for p in stops.remembered() if _name(p) in ("raylet", "gcs_server")]
 
     def watch() -> None:
         gone, _ = psutil.wait_procs(services, timeout=1.5)
-        if gone:
+        if gone or any(stops.alive(w) for w in workers):
             stops.end_now()
 
     if services:
@@ -137,8 +145,8 @@ def simulate(cfg: RunConfig, on_round: Callable[[dict], None] | None = None, ver
     Raises:
         RuntimeError: the ServerApp failed (its error is logged by Flower; the run directory keeps the completed
         rounds, and re-running resumes).
-        fedspear.stops.Stopped: SIGINT or SIGTERM under ``fedspear.stops.Stops`` (nothing is recorded after it; the
-        round in flight is redone on resume).
+        fedspear.stops.Stopped: SIGINT, SIGTERM or SIGHUP under ``fedspear.stops.Stops`` (nothing is recorded after
+        it; the round in flight is redone on resume).
     """
     flower_environment(cfg.output_dir)
     shutil.rmtree(Path(cfg.output_dir) / "progress", ignore_errors=True)  # a previous invocation's last state

@@ -204,9 +204,35 @@ def serve(store_path: str | Path, responder: ChatModel, *, max_revisions: int = 
         raise ImportError(f"fedspear chat needs the [ui] extra: pip install 'fedspear[ui]' ({err})") from err
 
     app = create_app(TraceStore(store_path), responder, max_revisions)
-    # SIGINT / SIGTERM: uvicorn closes the server (an answer being generated gets 3 s), then raises the signal again
-    # for fedspear's handler, which prints the stop line and ends the command (``fedspear.stops``)
-    uvicorn.run(app, host=host, port=port, log_level="warning", timeout_graceful_shutdown=3)
+    # SIGINT / SIGTERM / SIGHUP: uvicorn closes the server (an answer being generated gets 3 s), then raises the
+    # signal again for fedspear's handler, which prints the stop line and ends the command (``fedspear.stops``)
+    config = uvicorn.Config(app, host=host, port=port, log_level="warning", timeout_graceful_shutdown=3)
+    _server_class(uvicorn)(config).run()
+
+
+def _server_class(uvicorn):
+    """``uvicorn.Server`` that also closes on SIGHUP (a closed terminal), as it does on SIGINT and SIGTERM
+    (``uvicorn/server.py``: ``capture_signals`` takes only those two; a SIGHUP reaching ``fedspear.stops``' handler
+    inside uvicorn's loop would end the command with uvicorn's traceback). Where SIGHUP is ignored (``nohup``) it
+    stays ignored."""
+    import signal
+    from contextlib import contextmanager
+
+    class Server(uvicorn.Server):
+        @contextmanager
+        def capture_signals(self):
+            with super().capture_signals():
+                if (threading.current_thread() is not threading.main_thread()
+                        or signal.getsignal(signal.SIGHUP) == signal.SIG_IGN):
+                    yield
+                    return
+                previous = signal.signal(signal.SIGHUP, self.handle_exit)
+                try:
+                    yield
+                finally:  # back before uvicorn raises the signals it caught again, SIGHUP among them
+                    signal.signal(signal.SIGHUP, previous)
+
+    return Server
 
 
 PAGE = """<!doctype html>

@@ -434,13 +434,17 @@ def test_deploy_local_example_with_secure_aggregation(tmp_path):
 
 
 @pytest.mark.slow
-def test_deploy_local_example_stops_on_ctrl_c(tmp_path):
-    """Ctrl-C (SIGINT to the example's process group, as a terminal sends it) once round 0 is recorded: the example
-    ends within 10 s with exit code 130 and one last line saying where the run stopped, and stops every process it
-    started (``summary.json``'s ``leftover_pids``, and no process of its session left)."""
+@pytest.mark.parametrize("signame", ["SIGINT", "SIGHUP"], ids=["ctrl-c", "hang-up"])
+def test_deploy_local_example_stops_on_ctrl_c_or_a_hang_up(tmp_path, signame):
+    """Ctrl-C or a closed terminal (SIGINT or SIGHUP to the example's process group, as a terminal sends them) once
+    round 0 is recorded: the example ends within 10 s with exit code 130 or 129 and one last line saying where the
+    run stopped, and stops every process it started, the SuperLink and SuperNodes in sessions of their own included
+    (``summary.json``'s ``leftover_pids``, and no process of its session left)."""
     import re
     import signal
     import time
+
+    signum = signal.Signals[signame]
 
     import psutil
 
@@ -461,16 +465,16 @@ def test_deploy_local_example_stops_on_ctrl_c(tmp_path):
         time.sleep(0.5)
     time.sleep(2.0)
     t0 = time.monotonic()
-    os.killpg(proc.pid, signal.SIGINT)
+    os.killpg(proc.pid, signum)
     try:
         _, err = proc.communicate(timeout=10)
     except subprocess.TimeoutExpired:
         os.killpg(proc.pid, signal.SIGKILL)
-        pytest.fail(f"still running 10 s after SIGINT: {proc.communicate()[1][-3000:]}")
-    print(f"deploy-local: exit {proc.returncode} after {time.monotonic() - t0:.1f} s")
-    assert proc.returncode == 130, err[-3000:]
+        pytest.fail(f"still running 10 s after {signame}: {proc.communicate()[1][-3000:]}")
+    print(f"deploy-local {signame}: exit {proc.returncode} after {time.monotonic() - t0:.1f} s")
+    assert proc.returncode == 128 + signum, err[-3000:]
     # two seconds after round 0's record: inside round 1, or a later round where the rounds are that quick
-    assert re.match(r"stopped by SIGINT after round [012] of 3 ", err.strip().splitlines()[-1]), err[-3000:]
+    assert re.match(rf"stopped by {signame} after round [012] of 3 ", err.strip().splitlines()[-1]), err[-3000:]
     assert json.loads((out / "summary.json").read_text())["leftover_pids"] == []
     left = []
     for p in psutil.process_iter(["pid", "status"]):

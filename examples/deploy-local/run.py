@@ -16,8 +16,9 @@ What it does, in order (every process it starts gets its own log under ``<output
    app bundle carries, the same bundle Flower builds from the checkout) and waits (``flwr ls``) until the run
    finishes or ``--timeout`` seconds pass;
 7. prints seconds per round and base-model loads per node per round, writes ``summary.json``;
-8. stops every process it started, and their children, by PID — also on error, Ctrl-C and SIGTERM — and reports any
-   left; after a signal it ends with one line saying where the run stopped, and exit code 130 (SIGINT) / 143 (SIGTERM).
+8. stops every process it started, and their children, by PID — also on error, Ctrl-C, SIGTERM and SIGHUP (a closed
+   terminal; left ignored under ``nohup``) — and reports any left; after a signal it ends with one line saying where
+   the run stopped, and exit code 130 (SIGINT) / 143 (SIGTERM) / 129 (SIGHUP).
 
 Exit code 0 only when the run completed every round, the intruder was refused and nothing is left running.
 ``--no-worker`` leaves the node workers out, so each fresh ClientApp process loads the model itself (to measure
@@ -50,6 +51,7 @@ from fedspear.config import ConfigError, RunConfig, unknown_keys_error
 from fedspear.fl.certs import make_node_keys, make_server_certificates
 from fedspear.fl.node_worker import ping
 from fedspear.report import epsilon_text
+from fedspear.stops import handled_signals
 
 REPO = Path(__file__).resolve().parents[2]
 BIN = Path(sys.executable).parent  # flower-superlink, flower-supernode, flwr live beside this Python
@@ -428,8 +430,8 @@ STOP = {"signum": None}
 
 
 def _interrupted(signum, frame) -> None:
-    """SIGINT / SIGTERM: the first raises KeyboardInterrupt where the script is; later ones are only noted, so that
-    stopping what was started is not itself interrupted."""
+    """SIGINT / SIGTERM / SIGHUP: the first raises KeyboardInterrupt where the script is; later ones are only noted,
+    so that stopping what was started is not itself interrupted."""
     if STOP["signum"] is None:
         STOP["signum"] = signum
         raise KeyboardInterrupt
@@ -498,7 +500,7 @@ def main() -> int:
     procs = Processes(out / "logs", env)
     summary: dict = {"output_dir": str(out), "worker": not args.no_worker, "rounds_wanted": args.rounds}
     ok = False
-    for signum in (signal.SIGINT, signal.SIGTERM):  # Ctrl-C, `kill <pid>`: everything started is stopped
+    for signum in handled_signals():  # Ctrl-C, `kill <pid>`, a closed terminal: everything started is stopped
         signal.signal(signum, _interrupted)
     try:
         deploy(args, procs, out, summary)

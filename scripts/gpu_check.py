@@ -248,6 +248,7 @@ def client_round(args) -> int:
          f"({worker.dtype_used})")
     gpu = torch.cuda.is_available() and str(cfg.device) != "cpu"
     arrays, rounds = get_adapter(worker.model), []
+    last_training = _keep_last_training()  # the rounds' last local_train call, profiled after them
 
     def write(decode: dict | None) -> None:  # after every round: a step stopped by its time limit keeps its rounds
         tmp = Path(args.out).with_name(Path(args.out).name + ".tmp")  # then renamed: a kill never leaves half a file
@@ -289,7 +290,104 @@ def client_round(args) -> int:
             write(decode)
         except Exception as err:  # noqa: BLE001 - say why and go on
             _say(f"evaluation not timed: {type(err).__name__}: {err}")
+    if last_training and not args.barrier:  # not in the processes of a side-by-side round
+        try:  # a diagnostic after the rounds: never fails the step
+            decode = {**(decode or {}), "training_profile": profile_training(*last_training)}
+            write(decode)
+        except Exception as err:  # noqa: BLE001 - say why and go on
+            _say(f"training profile not taken: {type(err).__name__}: {err}")
     return 0
+
+
+def _keep_last_training() -> list:
+    """Make SPEAR's client-round keep the arguments of its ``local_train`` call (the latest round's win and lose
+    sets) in the returned list, as ``[args, kwargs]``; the call itself is unchanged."""
+    from fedspear.algorithms import spear
+
+    kept: list = []
+    train = spear.local_train
+
+    def keeping(*args, **kwargs):
+        kept[:] = [args, kwargs]
+        return train(*args, **kwargs)
+
+    spear.local_train = keeping
+    return kept
+
+
+def profile_training(args: tuple, kwargs: dict) -> dict:
+    """The rounds' last ``local_train`` (their local steps and the margin pass, Eq. 8) run again on the same win and
+    lose sets, after the rounds (it trains the adapter further; nothing is timed after it): once under
+    ``torch.profiler`` — its wall time, the margin pass's share of it, the GPU's kernel time and count, the ten
+    kernels and the ten host operations with the most time — then, on a GPU, once with torch's CUDA sync debug mode
+    warning at each wait for the GPU (how many, and the lines of Python that caused the most). Kernel time far below
+    the wall time means training waits on the host. → ``{"wall_s", "margin_s", "steps", "kernel_s", "kernels",
+    "top_kernels": [[name, ms]], "top_host_ops": [[name, ms]], "syncs", "syncs_where": [[file:line, count]]}``."""
+    import warnings
+
+    import torch
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+
+    from fedspear import training
+
+    model = args[0]
+    gpu = torch.cuda.is_available() and next(model.parameters()).is_cuda
+    margin = training.pair_margin
+    margin_s: list[float] = []
+
+    def timed_margin(*a, **k):
+        if gpu:
+            torch.cuda.synchronize()
+        start = time.perf_counter()
+        try:
+            return margin(*a, **k)
+        finally:
+            if gpu:
+                torch.cuda.synchronize()
+            margin_s.append(time.perf_counter() - start)
+
+    training.pair_margin = timed_margin
+    try:
+        with profile(activities=[ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if gpu else [])) as prof:
+            start = time.perf_counter()
+            stats = training.local_train(*args, **kwargs)
+            if gpu:
+                torch.cuda.synchronize()
+            wall = time.perf_counter() - start
+    finally:
+        training.pair_margin = margin
+    events = prof.key_averages()
+
+    def device_us(e) -> float:
+        return getattr(e, "self_device_time_total", None) or getattr(e, "self_cuda_time_total", 0.0)
+    kernels = [e for e in events if e.device_type == DeviceType.CUDA]
+    host = sorted((e for e in events if e.device_type == DeviceType.CPU), key=lambda e: e.self_cpu_time_total,
+                  reverse=True)[:10]
+    out = {"wall_s": wall, "margin_s": sum(margin_s), "steps": stats.get("steps"),
+           "kernel_s": sum(map(device_us, kernels)) / 1e6, "kernels": sum(e.count for e in kernels),
+           "top_kernels": [[e.key[:120], device_us(e) / 1e3] for e in sorted(kernels, key=device_us,
+                                                                               reverse=True)[:10]],
+           "top_host_ops": [[e.key[:120], e.self_cpu_time_total / 1e3] for e in host]}
+    if gpu:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            torch.cuda.set_sync_debug_mode("warn")
+            try:
+                training.local_train(*args, **kwargs)
+            finally:
+                torch.cuda.set_sync_debug_mode("default")
+        syncs = [w for w in caught if "synchroniz" in str(w.message)]
+        where: dict[str, int] = {}
+        for w in syncs:
+            key = f"{Path(w.filename).name}:{w.lineno}"
+            where[key] = where.get(key, 0) + 1
+        out["syncs"] = len(syncs)
+        out["syncs_where"] = sorted(([k, v] for k, v in where.items()), key=lambda kv: -kv[1])[:10]
+    _say(f"training profiled ({out['steps']} steps): {wall:.2f} s of wall time (the margin pass {out['margin_s']:.2f} "
+         f"s), {out['kernel_s']:.2f} s of it in {out['kernels']} GPU kernels"
+         + (f"; {out['syncs']} host synchronisations" if "syncs" in out else ""))
+    return out
 
 
 def evaluation_batches(worker, cfg, items: int) -> list[dict]:
@@ -672,6 +770,15 @@ def summary(args) -> int:
             for e in (d or {}).get("evaluation", []):
                 lines.append(f"{name} evaluation, eval_batch_size = {e['setting']}: batches of {e['batch_size']}, "
                              f"{e['seconds']:.1f} s for {e['tokens']} tokens")
+            train = (d or {}).get("training_profile")
+            if train:
+                lines.append(f"{name} training profiled ({train['steps']} steps, run again after the rounds): "
+                             f"{train['wall_s']:.2f} s of wall time, the margin pass {train['margin_s']:.2f} s of it; "
+                             f"{train['kernel_s']:.2f} s in {train['kernels']} GPU kernels"
+                             + (f"; {train['syncs']} host synchronisations (" + ", ".join(
+                                 f"{k} ×{v}" for k, v in train["syncs_where"][:5]) + ")" if "syncs" in train else ""))
+                lines.append(f"{name} training's host time, most first: " + ", ".join(
+                    f"{op} {ms:.0f} ms" for op, ms in train["top_host_ops"][:5]))
             prof = (d or {}).get("profile")
             if prof:
                 lines.append(f"{name} decode profiled: {prof['wall_ms_per_step']:.1f} ms of wall time per step, "

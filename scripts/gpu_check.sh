@@ -22,7 +22,9 @@
 #                   decode step timed at batch 32 (again with every dynamo guard checked on every step) and
 #                   profiled (kernel time against wall time per step; torch's graph-break, recompile and CUDA-graph
 #                   hints in the log), then an evaluation of EVAL_ITEMS (default 128; 0: none) held-out items at
-#                   eval_batch_size 32 and "auto" (≈ 20 s on a GPU); skipped where fedspear has no such key
+#                   eval_batch_size 32 and "auto" (≈ 20 s on a GPU), then the last round's local training run again
+#                   under torch.profiler (wall, margin-pass and GPU-kernel time, host synchronisations); skipped
+#                   where fedspear has no such key
 #   5. clients      a 5-client round: the same two rounds in 5 processes at once on the one GPU, each its own model
 #                   and share of the prompts, each round started together (what Flower's simulation does with
 #                   client_gpus = 0.2, without Ray, which cannot be carried); compile_decode = on, inductor's cache
@@ -30,6 +32,9 @@
 #   6. bench        `fedspear bench --device cuda --no-round` on it (no Flower needed without the round)
 #      sampling     ms per decode step to draw the sampled token, transformers' warpers against fedspear's sampler
 #                   (scripts/sampling_cost.py, batch 8 and 32, SmolLM2's and Qwen2.5's vocabularies), in the log
+#      logprobs     a training micro-step's completion log-probabilities (32 × 256 positions of Qwen2.5's vocabulary):
+#                   seconds, bytes kept for the backward and peak memory, fedspear's own backward against autograd's
+#                   (scripts/token_logprobs_ab.py), in the log
 #   7. tests        the `gpu`-marked tests and tests/test_device.py
 #   8. round-eager  the same rounds and decode timing with compile_decode = off (the same-machine baseline)
 #   9. flwr-run     a real `fedspear` federation through Flower's deployment engine (examples/deploy-local: a TLS
@@ -119,8 +124,16 @@ if [ "$MODE" = gpu ] && [ "$CUDA" != 1 ]; then
   echo "this machine has no CUDA GPU torch can see: run scripts/gpu_check.sh --dry-run on a CPU" >&2; exit 2
 fi
 KIND=$("$PY" -c "from fedspear.experiments.bench import machine; print(machine(gpu=$CUDA == 1)['kind'])")
-COMMIT=$(cat "$BUNDLE/COMMIT" 2>/dev/null || echo unknown)
-echo "machine kind $KIND; fedspear $COMMIT (bundle made from it; $(ls "$BUNDLE/exports" 2>/dev/null | tr '\n' ' '))"
+# fedspear's commit: the checkout's own where it has its history (a dry run here), else the one the bundle was made
+# from (a device machine gets the working tree without .git: prepare the bundle again after committing)
+if COMMIT=$(git -C "$(dirname "$0")/.." rev-parse --short HEAD 2>/dev/null); then
+  git -C "$(dirname "$0")/.." status --porcelain --untracked-files=no -- src | grep -q . && COMMIT="$COMMIT+changes"
+  FROM="this checkout"
+else
+  COMMIT=$(cat "$BUNDLE/COMMIT" 2>/dev/null || echo unknown)
+  FROM="the bundle's record: prepared from it"
+fi
+echo "machine kind $KIND; fedspear $COMMIT ($FROM; exports: $(ls "$BUNDLE/exports" 2>/dev/null | tr '\n' ' '))"
 [ -d "$BUNDLE/exports/smollm2-135m" ] || { echo "no $BUNDLE/exports/smollm2-135m: run scripts/gpu_check.sh --prepare first (and carry .gpu-bundle)" >&2; exit 2; }
 
 # 2. setup: the tests run `fedspear` from beside the interpreter (Path(sys.executable).with_name("fedspear"))
@@ -187,6 +200,11 @@ fi
 #     printed to the log)
 step sampling 60 "$PY" scripts/sampling_cost.py --device "$([ "$MODE" = gpu ] && echo cuda || echo cpu)" \
   $([ "$MODE" = dry ] && echo "--batches 32 --vocab 151936 --repeats 3") --json "$RES/sampling.json" || true
+
+# 6c. a training micro-step's completion log-probabilities at Qwen2.5-1.5B's paper-preset size: token_logprobs' own
+#     backward against autograd through the same operations (scripts/token_logprobs_ab.py; printed to the log)
+step logprobs 60 "$PY" scripts/token_logprobs_ab.py --device "$([ "$MODE" = gpu ] && echo cuda || echo cpu)" \
+  $([ "$MODE" = dry ] && echo "--rows 2 --positions 16 --vocab 1000" || echo "--rows 32 --positions 256 --vocab 151936") || true
 
 # 7. tests: tests/test_device.py whole, and the `gpu`-marked tests of the other files (skipped, with that reason,
 #    where torch sees no GPU); only these files are collected: the others may import Flower, absent there

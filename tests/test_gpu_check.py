@@ -71,6 +71,10 @@ def test_a_paper_preset_round_on_a_random_model_of_an_exports_shape(tmp_path):
     profile = result["decode"]["profile"]  # on the CPU: no kernels, the host's own operations
     assert profile["kernels_per_step"] == 0 and len(profile["top_host_ops"]) == 10
     assert all(ms >= 0 for _, ms in profile["top_host_ops"]) and profile["top_host_ops"][0][1] > 0
+    # then the round's local training run again under the profiler: its steps, the margin pass inside its time
+    train = result["decode"]["training_profile"]
+    assert train["steps"] == row["steps"] and train["wall_s"] > train["margin_s"] > 0
+    assert train["kernels"] == 0 and len(train["top_host_ops"]) == 10 and "syncs" not in train  # a CPU
     # two clients side by side (the 5-client step at toy size): one process each, their own shares, started together
     side = tmp_path / "clients.json"
     proc = _steps("clients", "--model", str(model), "--clients", "2", "--rounds", "1", "--small", "--set",
@@ -160,7 +164,11 @@ def test_summary_gathers_every_step(tmp_path):
                    "host_syncs": {"syncs": 5, "syncs_half": 5, "per_step": 0.0,
                                   "where": [["generation.py:203", 4], ["utils.py:3160", 1]]},
                    "evaluation": [{"setting": 32, "batch_size": 32, "seconds": 14.25, "tokens": 32768},
-                                  {"setting": "auto", "batch_size": 128, "seconds": 4.5, "tokens": 32768}]}}))
+                                  {"setting": "auto", "batch_size": 128, "seconds": 4.5, "tokens": 32768}],
+                   "training_profile": {"wall_s": 3.5, "margin_s": 0.25, "steps": 5, "kernel_s": 2.75,
+                                        "kernels": 16000, "top_kernels": [],
+                                        "top_host_ops": [["aten::mm", 500.0], ["aten::copy_", 125.0]],
+                                        "syncs": 12, "syncs_where": [["training.py:250", 10]]}}}))
     (tmp_path / "clients.json").write_text(json.dumps({"clients": 5, "prompts": 32, "overrides": {
         "compile_decode": "on"}, "rounds": [{"round": 1, "wall_seconds": 100.0}, {"round": 2, "wall_seconds": 40.0}]}))
     (tmp_path / "bench.json").write_text(json.dumps({"throughput": {
@@ -189,6 +197,10 @@ def test_summary_gathers_every_step(tmp_path):
             "×4, utils.py:3160 ×1)") in text
     assert "round-compiled evaluation, eval_batch_size = 32: batches of 32, 14.2 s for 32768 tokens" in text
     assert "round-compiled evaluation, eval_batch_size = auto: batches of 128, 4.5 s for 32768 tokens" in text
+    assert ("round-compiled training profiled (5 steps, run again after the rounds): 3.50 s of wall time, the "
+            "margin pass 0.25 s of it; 2.75 s in 16000 GPU kernels; 12 host synchronisations (training.py:250 ×10)"
+            in text)
+    assert "round-compiled training's host time, most first: aten::mm 500 ms, aten::copy_ 125 ms" in text
     assert "| decode at batch 32 ≤ 12 ms per step (compiled) | 55.7 ms | 11.5 ms | yes |" in text
     assert "round-eager decode profiled: 50.0 ms of wall time per step, 4.25 ms of it in 1200 GPU kernels" in text
     assert "round-eager decode's host time per step, most first: aten::sort 3.00 ms, cudaGraphLaunch 0.25 ms" in text

@@ -303,6 +303,63 @@ def test_token_logprobs_matches_log_softmax_in_float32_for_bf16():
     assert torch.allclose(out, ref, atol=1e-6)
 
 
+def _autograd_token_logprobs(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """The same operations as ``token_logprobs``, differentiated by autograd (the way it was computed before its own
+    backward)."""
+    rows = []
+    for row, index in zip(logits, labels.clamp(min=0)):
+        row = row if row.dtype in (torch.float32, torch.float64) else row.float()
+        rows.append(row.gather(-1, index.unsqueeze(-1)).squeeze(-1) - torch.logsumexp(row, dim=-1))
+    return torch.stack(rows)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32, torch.float64])
+def test_token_logprobs_values_and_gradient_are_autograds_to_the_bit(dtype):
+    """Values and the gradient w.r.t. the logits equal, bit for bit, those of autograd through the same operations
+    (``g · (onehot(y) − softmax)``, the softmax as ``exp(x − lse)``, ``g`` added at ``y``), for a non-contiguous
+    slice of the logits as training passes it, an ignore-index label and an upstream gradient with zeros (masked
+    positions) and both signs; the result is float32 (float64 for float64 logits)."""
+    torch.manual_seed(0)
+    full = torch.randn(3, 6, 50, dtype=torch.float64).mul(4).to(dtype)  # [B, T + 1, V]
+    labels = torch.randint(0, 50, (3, 5))
+    labels[2, 0] = -100
+    weights = torch.randn(3, 5, dtype=torch.float64)
+    weights[0, :2] = 0.0
+    results = []
+    for fn in (token_logprobs, _autograd_token_logprobs):
+        logits = full.clone().requires_grad_(True)
+        out = fn(logits[:, :-1], labels)  # [B, T] from a [B, T, V] view, as completion_logits returns it
+        (out * weights.to(out.dtype)).sum().backward()
+        results.append((out.detach(), logits.grad))
+    (out, grad), (ref_out, ref_grad) = results
+    assert out.dtype == (torch.float64 if dtype == torch.float64 else torch.float32) and grad.dtype == dtype
+    assert torch.equal(out, ref_out) and torch.equal(grad, ref_grad)
+    assert grad[:, -1].abs().sum() == 0  # the position past the window gets no gradient
+
+
+def test_token_logprobs_keeps_no_float32_copy_of_bf16_logits_for_the_backward():
+    """What the backward keeps of a ``[B, T, V]`` bf16 forward is the logits themselves (2 bytes a value) plus the
+    labels and ``[B, T]`` log-normalisers; autograd through the same operations keeps each row's float32 copy
+    instead (4 bytes a value: twice as much)."""
+    torch.manual_seed(0)
+    logits = torch.randn(4, 8, 1000).to(torch.bfloat16).requires_grad_(True)  # [B, T, V]
+    labels = torch.randint(0, 1000, (4, 8))
+
+    def saved_bytes(fn) -> int:
+        seen: dict[int, int] = {}
+
+        def pack(t: torch.Tensor) -> torch.Tensor:
+            seen[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+            return t
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            fn(logits, labels)
+        return sum(seen.values())
+
+    values = logits.numel()
+    assert saved_bytes(token_logprobs) <= 2 * values + 12 * 4 * 8
+    assert saved_bytes(_autograd_token_logprobs) >= 4 * values
+
+
 # ----------------------------------------------------------------------------------------------------------------------
 # Theorem 1: margin M_tau, h(mu), and the bound
 # ----------------------------------------------------------------------------------------------------------------------

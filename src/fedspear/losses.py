@@ -113,8 +113,10 @@ def token_logprobs(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         ``[B, T]`` log-probabilities, float32 (float64 if ``logits`` is float64), differentiable w.r.t. ``logits``.
 
     Computed as ``logits[y] - logsumexp(logits)`` in float32 even for bf16/fp16 logits (bf16 log-probabilities are
-    off by ~1e-2). One batch row at a time, so the float32 copy alive at once is ``[T, V]`` rather than
-    ``[B, T, V]`` -- the vocabulary of a modern LLM makes that the largest tensor of a training step.
+    off by ~1e-2), one batch row at a time (:class:`_TokenLogprobs`): the float32 copy alive at once is ``[T, V]``
+    rather than ``[B, T, V]`` -- the vocabulary of a modern LLM makes that the largest tensor of a training step --
+    in the backward pass too, where autograd through the same operations would keep every row's float32 copy from
+    the forward (the gradient, ``g · (onehot(y) − softmax)``, is the same to the bit).
 
     Raises:
         ValueError: ``logits`` is not 3-D or ``labels`` is not ``logits.shape[:2]``.
@@ -124,15 +126,49 @@ def token_logprobs(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
     if not torch.is_tensor(labels) or labels.shape != logits.shape[:2]:
         raise ValueError(f"labels must have shape [B, T] = {tuple(logits.shape[:2])} to match logits "
                          f"{tuple(logits.shape)}, got {tuple(getattr(labels, 'shape', ()))}")
-    index = labels.long().clamp(min=0)  # [B, T]
-    rows = []
-    for row_logits, row_index in zip(logits, index):  # [T, V], [T]
-        row_logits = _at_least_float32(row_logits)  # [T, V]
-        picked = row_logits.gather(-1, row_index.unsqueeze(-1)).squeeze(-1)  # [T]
-        rows.append(picked - torch.logsumexp(row_logits, dim=-1))  # [T]
-    if not rows:  # empty batch: [0, T] zeros, still attached to the graph
+    if logits.shape[0] == 0:  # empty batch: [0, T] zeros, still attached to the graph
         return _at_least_float32(logits).sum(-1) * 0.0
-    return torch.stack(rows)  # [B, T]
+    return _TokenLogprobs.apply(logits, labels.long().clamp(min=0))  # [B, T]
+
+
+class _TokenLogprobs(torch.autograd.Function):
+    """``logits[y] − logsumexp(logits)`` row by row (:func:`token_logprobs`), with a backward that keeps only the
+    logits as given and the ``[B, T]`` log-normalisers.
+
+    Autograd through ``row.float()``, ``gather`` and ``logsumexp`` would save each row's float32 copy (``logsumexp``'s
+    input) until the backward, and there take ≈ 11 passes over ``[T, V]`` float32 tensors per row (the shift, exp
+    and scaling of ``logsumexp``'s gradient, ``gather``'s zero-filled gradient, their sum, the cast back). Here the
+    backward remakes one row's float32 copy at a time and turns it into the gradient in place: ``exp(x − lse)``
+    (the same operations as ``logsumexp``'s backward, so the same values), times ``−g``, plus ``g`` at ``y`` (the
+    same addition autograd makes). Gradient w.r.t. the labels: none.
+    """
+
+    @staticmethod
+    def forward(ctx, logits: torch.Tensor, index: torch.Tensor) -> torch.Tensor:  # [B, T, V], [B, T] → [B, T]
+        dtype = torch.promote_types(logits.dtype, torch.float32)
+        out = torch.empty(index.shape, dtype=dtype, device=logits.device)  # [B, T]
+        lse = torch.empty_like(out)  # [B, T]
+        row = torch.empty(logits.shape[1:], dtype=dtype, device=logits.device)  # [T, V], one buffer for every row
+        for b in range(logits.shape[0]):
+            row.copy_(logits[b])
+            torch.logsumexp(row, dim=-1, out=lse[b])
+            torch.sub(row.gather(-1, index[b].unsqueeze(-1)).squeeze(-1), lse[b], out=out[b])
+        ctx.save_for_backward(logits, index, lse)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):  # [B, T] → [B, T, V], None
+        logits, index, lse = ctx.saved_tensors
+        grad_logits = torch.empty_like(logits)  # [B, T, V] in the logits' dtype
+        grad = grad.to(lse.dtype)
+        row = torch.empty(logits.shape[1:], dtype=lse.dtype, device=logits.device)  # [T, V], a copy of each row
+        for b in range(logits.shape[0]):
+            row.copy_(logits[b])
+            row.sub_(lse[b].unsqueeze(-1)).exp_()  # softmax
+            row.mul_(grad[b].neg().unsqueeze(-1))
+            row.scatter_add_(-1, index[b].unsqueeze(-1), grad[b].unsqueeze(-1))
+            grad_logits[b].copy_(row)
+        return grad_logits, None
 
 
 def tail_mask(completion_mask: torch.Tensor, tau: int) -> torch.Tensor:

@@ -149,17 +149,21 @@ def length_buckets(lengths: Sequence[int], min_saving: float = 0.1) -> list[list
 def completion_logits(model, batch: Batch, dtype_used: str) -> torch.Tensor:
     """Raw logits at the positions predicting each completion-window token → ``[B, C, V]`` (autocast dtype).
 
-    Only the last C + 1 positions get logits (``logits_to_keep``); position j predicts token j + 1.
+    Only those C positions get logits (``logits_to_keep`` as the positions' indices: the C before the last);
+    position j predicts token j + 1. Keeping the last C + 1 and dropping the last would cost a ``[B, C + 1, V]``
+    zero-filled gradient and a copy into it in the backward pass.
     """
+    length = batch.input_ids.shape[1]
+    keep = torch.arange(length - batch.window - 1, length - 1, device=batch.input_ids.device)  # [C]
     with autocast(dtype_used, batch.input_ids.device.type):
         out = model(
             input_ids=batch.input_ids,
             attention_mask=batch.attention_mask,
             position_ids=batch.position_ids,
-            logits_to_keep=batch.window + 1,
+            logits_to_keep=keep,
             use_cache=False,
         )
-    return out.logits[:, :-1, :]  # [B, C, V]
+    return out.logits  # [B, C, V]
 
 
 def completion_logprobs(model, batch: Batch, dtype_used: str) -> torch.Tensor:

@@ -163,7 +163,8 @@ def prepare(args) -> int:
         _say(f"wheels: {len(got)} ({sum(p.stat().st_size for p in got) / 2**20:.1f} MiB) — flwr and its "
              f"dependencies but {', '.join(sorted(PRESENT))}")
     commit = subprocess.run(["git", "-C", str(REPO), "rev-parse", "--short", "HEAD"], capture_output=True, text=True)
-    dirty = subprocess.run(["git", "-C", str(REPO), "status", "--porcelain", "--untracked-files=no", "--", "src"],
+    dirty = subprocess.run(["git", "-C", str(REPO), "status", "--porcelain", "--untracked-files=no", "--", "src",
+                            "scripts"],
                            capture_output=True, text=True)
     (bundle / "COMMIT").write_text((commit.stdout.strip() or "unknown") + ("+changes" if dirty.stdout.strip() else "")
                                    + "\n")

@@ -127,7 +127,7 @@ KIND=$("$PY" -c "from fedspear.experiments.bench import machine; print(machine(g
 # fedspear's commit: the checkout's own where it has its history (a dry run here), else the one the bundle was made
 # from (a device machine gets the working tree without .git: prepare the bundle again after committing)
 if COMMIT=$(git -C "$(dirname "$0")/.." rev-parse --short HEAD 2>/dev/null); then
-  git -C "$(dirname "$0")/.." status --porcelain --untracked-files=no -- src | grep -q . && COMMIT="$COMMIT+changes"
+  [ -n "$(git -C "$(dirname "$0")/.." status --porcelain --untracked-files=no -- src scripts)" ] && COMMIT="$COMMIT+changes"
   FROM="this checkout"
 else
   COMMIT=$(cat "$BUNDLE/COMMIT" 2>/dev/null || echo unknown)

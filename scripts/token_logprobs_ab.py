@@ -2,9 +2,9 @@
 
 A training micro-step's completion log-probabilities, ``logits[y] − logsumexp(logits)`` over ``[B, T, V]`` logits
 sliced from ``[B, T + 1, V]``: forward and backward seconds (medians of ``--repeats`` alternating pairs), the bytes
-the backward keeps (every tensor saved for it), on a CUDA GPU the peak memory allocated, and whether values and
-gradients are equal to the bit. The paper preset's micro-step on Qwen2.5-1.5B is ``--rows 32 --positions 256 --vocab
-151936`` (1.2 G logits: 2.5 GB in bf16).
+the backward keeps (every tensor saved for it), on a CUDA GPU the peak memory a call allocates, and whether values
+and gradients are equal (bit for bit, or up to the sign of zero). The paper preset's micro-step on Qwen2.5-1.5B is
+``--rows 32 --positions 256 --vocab 151936`` (1.2 G logits: 2.5 GB in bf16).
 
     .venv/bin/python scripts/token_logprobs_ab.py [--rows 16 --positions 256 --vocab 49152 --dtype bf16]
         [--device cpu|cuda] [--repeats 3]
@@ -61,19 +61,22 @@ def main() -> None:
         if gpu:
             torch.cuda.synchronize()
 
-    def once(fn) -> tuple[float, float, float, torch.Tensor, torch.Tensor]:
+    def once(fn, keep: bool = False) -> tuple:
+        """(forward s, backward s, peak GiB allocated above what was allocated before the call[, out, grad])."""
         logits = base.clone().requires_grad_(True)
+        sync()
         if gpu:
             torch.cuda.reset_peak_memory_stats()
-        sync()
+            before = torch.cuda.memory_allocated()
         start = time.perf_counter()
         out = fn(logits[:, :-1], labels)
         sync()
         mid = time.perf_counter()
         (out * weights).sum().backward()
         sync()
-        peak = torch.cuda.max_memory_allocated() / 2**30 if gpu else float("nan")
-        return mid - start, time.perf_counter() - mid, peak, out.detach(), logits.grad
+        peak = (torch.cuda.max_memory_allocated() - before) / 2**30 if gpu else float("nan")
+        timing = (mid - start, time.perf_counter() - mid, peak)
+        return (*timing, out.detach(), logits.grad) if keep else timing  # nothing kept past the call otherwise
 
     ways = {"autograd": autograd_token_logprobs, "token_logprobs": token_logprobs}
     runs: dict[str, list] = {name: [] for name in ways}
@@ -83,12 +86,14 @@ def main() -> None:
             runs[name].append(once(fn))
     print(f"[{args.rows}, {args.positions}, {args.vocab}] {args.dtype} logits on {device}, medians of {args.repeats}:")
     for name, fn in ways.items():
-        fwd, bwd = (statistics.median(r[i] for r in runs[name]) for i in (0, 1))
+        fwd, bwd, peak = (statistics.median(r[i] for r in runs[name]) for i in (0, 1, 2))
         kept = saved_bytes(fn, base.clone().requires_grad_(True), labels) / 2**30
-        peak = f", peak {runs[name][-1][2]:.2f} GiB allocated" if gpu else ""
-        print(f"  {name:15s} forward {fwd:.3f} s, backward {bwd:.3f} s, kept for the backward {kept:.2f} GiB{peak}")
-    (_, _, _, a, ga), (_, _, _, b, gb) = runs["autograd"][-1], runs["token_logprobs"][-1]
-    print(f"  values equal: {torch.equal(a, b)}, gradients equal: {torch.equal(ga, gb)}")
+        more = f", peak {peak:.2f} GiB allocated by the call (its copy of the logits included)" if gpu else ""
+        print(f"  {name:15s} forward {fwd:.3f} s, backward {bwd:.3f} s, kept for the backward {kept:.2f} GiB{more}")
+    _, _, _, a, grad_a = once(autograd_token_logprobs, keep=True)
+    _, _, _, b, grad_b = once(token_logprobs, keep=True)
+    zeros = "" if torch.equal(grad_a.view(torch.uint8), grad_b.view(torch.uint8)) else " (up to the sign of zero)"
+    print(f"  values equal: {torch.equal(a, b)}, gradients equal: {torch.equal(grad_a, grad_b)}{zeros}")
 
 
 if __name__ == "__main__":

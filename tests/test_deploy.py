@@ -454,7 +454,8 @@ def test_deploy_local_example_stops_on_ctrl_c_or_a_hang_up(tmp_path, signame):
                              str(out), "--model", "tiny-random", "--rounds", "3", "--rollouts-per-round", "2",
                              "--eval-size", "4", "--local-steps", "1", "--max-new-tokens", "8", "--train-size", "20"],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
-                            start_new_session=True, preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+                            start_new_session=True, preexec_fn=lambda: [signal.signal(s, signal.SIG_DFL)
+                                                                        for s in (signal.SIGINT, signal.SIGHUP)])
     metrics = out / "run" / "metrics.jsonl"
     deadline = time.monotonic() + BOUND
     while not (metrics.is_file() and metrics.read_text().endswith("\n")):

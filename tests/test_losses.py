@@ -314,8 +314,9 @@ def _autograd_token_logprobs(logits: torch.Tensor, labels: torch.Tensor) -> torc
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32, torch.float64])
-def test_token_logprobs_values_and_gradient_are_autograds_to_the_bit(dtype):
-    """Values and the gradient w.r.t. the logits equal, bit for bit, those of autograd through the same operations
+def test_token_logprobs_values_and_gradient_equal_autograds(dtype):
+    """Values and the gradient w.r.t. the logits equal (``torch.equal``: a zero's sign aside, which autograd's sum
+    with ``gather``'s zero-filled gradient drops) those of autograd through the same operations
     (``g · (onehot(y) − softmax)``, the softmax as ``exp(x − lse)``, ``g`` added at ``y``), for a non-contiguous
     slice of the logits as training passes it, an ignore-index label and an upstream gradient with zeros (masked
     positions) and both signs; the result is float32 (float64 for float64 logits)."""

@@ -27,14 +27,17 @@ from helpers import RESUME_ARGS, client_at_work, stable
 FEDSPEAR = str(Path(sys.executable).with_name("fedspear"))
 
 
-def _default_sigint() -> None:
+def _default_signals() -> None:
+    """SIGINT's and SIGHUP's default dispositions, whatever pytest's were (a background job inherits SIGINT ignored,
+    ``nohup make test`` SIGHUP ignored, which the command would then keep)."""
     signal.signal(signal.SIGINT, signal.SIG_DFL)
+    signal.signal(signal.SIGHUP, signal.SIG_DFL)
 
 
 def start(cmd: list[str], **kwargs) -> subprocess.Popen:
-    """``cmd`` in a session of its own, SIGINT restored, output captured as text."""
+    """``cmd`` in a session of its own, SIGINT and SIGHUP restored, output captured as text."""
     return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
-                            preexec_fn=_default_sigint, **kwargs)
+                            preexec_fn=_default_signals, **kwargs)
 
 
 def _live(sid: int) -> list[str]:
@@ -128,7 +131,7 @@ def test_a_signal_ends_the_command_its_children_and_prints_one_line(tmp_path, si
 
 
 def _ignore_sighup() -> None:
-    _default_sigint()
+    _default_signals()
     signal.signal(signal.SIGHUP, signal.SIG_IGN)
 
 
@@ -245,8 +248,8 @@ def test_node_worker_stops_on_sigterm_with_its_line(tmp_path):
 
 @pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGHUP], ids=["ctrl-c", "hang-up"])
 def test_chat_stops_on_ctrl_c_or_a_hang_up_with_its_line(tmp_path, signum):
-    """uvicorn handles SIGINT itself (closes the server, then raises it again for fedspear's handler); SIGHUP, which
-    uvicorn leaves alone, reaches fedspear's handler inside uvicorn's loop: the same line and no process left."""
+    """uvicorn handles SIGINT itself (closes the server, then raises it again for fedspear's handler), and SIGHUP
+    through fedspear's ``Server`` (``human.chat``): the same line, no traceback and no process left."""
     pytest.importorskip("uvicorn")
     with __import__("socket").socket() as sock:
         sock.bind(("127.0.0.1", 0))

@@ -49,6 +49,15 @@ def test_completion_logprobs_match_an_unpadded_full_forward(tiny):
         torch.testing.assert_close(got[row, -len(t.completion_ids):], _alone_logprobs(model, t), atol=1e-4, rtol=1e-4)
 
 
+def test_a_completion_without_a_token_before_it_is_refused(tiny):
+    """A row whose completion fills it (no prompt token to predict its first token from) is a clear error, not the
+    logits of wrong positions."""
+    model, _ = tiny
+    batch = pack([Trace("a", [], [9, 10, 11], False)], pad_id=0)
+    with pytest.raises(ValueError, match="completion window of 3 tokens needs rows of more than 3 tokens"):
+        completion_logprobs(model, batch, "fp32")
+
+
 def test_pair_margin_is_eq8_averaged_over_the_pairs(tiny):
     """M_τ (Eq. 8) by hand from forwards over each trace alone: the win's mean log p over its completion (EOS
     included) minus the mean over the lose's last τ tokens (EOS excluded), averaged over the pairs; a win pairs with

@@ -517,9 +517,14 @@ def main() -> int:
         except Exception as err:  # noqa: BLE001 - still write what we know
             summary["leftover_pids"], summary["stop_error"] = None, f"{type(err).__name__}: {err}"
         (out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
-    print_summary(summary)
+    try:
+        print_summary(summary)
+        if STOP["signum"]:
+            print(stop_line(STOP["signum"], out, args.rounds), file=sys.stderr, flush=True)
+    except OSError:  # the terminal is gone (SIGHUP after it closed): summary.json holds what it would say
+        if not STOP["signum"]:
+            raise
     if STOP["signum"]:
-        print(stop_line(STOP["signum"], out, args.rounds), file=sys.stderr, flush=True)
         return 128 + STOP["signum"]
     return 0 if ok and summary["leftover_pids"] == [] else 1
 

@@ -116,7 +116,9 @@ def token_logprobs(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
     off by ~1e-2), one batch row at a time (:class:`_TokenLogprobs`): the float32 copy alive at once is ``[T, V]``
     rather than ``[B, T, V]`` -- the vocabulary of a modern LLM makes that the largest tensor of a training step --
     in the backward pass too, where autograd through the same operations would keep every row's float32 copy from
-    the forward (the gradient, ``g · (onehot(y) − softmax)``, is the same to the bit).
+    the forward. The gradient, ``g · (onehot(y) − softmax)``, has the same values as autograd's (a zero may keep its
+    minus sign, which autograd's sum with ``gather``'s zero-filled gradient drops); it is not differentiable again
+    (no ``create_graph`` second pass).
 
     Raises:
         ValueError: ``logits`` is not 3-D or ``labels`` is not ``logits.shape[:2]``.
@@ -140,7 +142,8 @@ class _TokenLogprobs(torch.autograd.Function):
     and scaling of ``logsumexp``'s gradient, ``gather``'s zero-filled gradient, their sum, the cast back). Here the
     backward remakes one row's float32 copy at a time and turns it into the gradient in place: ``exp(x − lse)``
     (the same operations as ``logsumexp``'s backward, so the same values), times ``−g``, plus ``g`` at ``y`` (the
-    same addition autograd makes). Gradient w.r.t. the labels: none.
+    same addition autograd makes). Gradient w.r.t. the labels: none. Once differentiable: the backward works in
+    place on tensors a second pass would need.
     """
 
     @staticmethod
@@ -157,6 +160,7 @@ class _TokenLogprobs(torch.autograd.Function):
         return out
 
     @staticmethod
+    @torch.autograd.function.once_differentiable
     def backward(ctx, grad: torch.Tensor):  # [B, T] → [B, T, V], None
         logits, index, lse = ctx.saved_tensors
         grad_logits = torch.empty_like(logits)  # [B, T, V] in the logits' dtype

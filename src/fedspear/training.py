@@ -152,8 +152,14 @@ def completion_logits(model, batch: Batch, dtype_used: str) -> torch.Tensor:
     Only those C positions get logits (``logits_to_keep`` as the positions' indices: the C before the last);
     position j predicts token j + 1. Keeping the last C + 1 and dropping the last would cost a ``[B, C + 1, V]``
     zero-filled gradient and a copy into it in the backward pass.
+
+    Raises:
+        ValueError: the window is not shorter than the rows (a completion needs a token before it).
     """
     length = batch.input_ids.shape[1]
+    if batch.window >= length:
+        raise ValueError(f"a completion window of {batch.window} tokens needs rows of more than {batch.window} "
+                         f"tokens (got {length})")
     keep = torch.arange(length - batch.window - 1, length - 1, device=batch.input_ids.device)  # [C]
     with autocast(dtype_used, batch.input_ids.device.type):
         out = model(

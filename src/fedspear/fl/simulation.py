@@ -65,9 +65,9 @@ def start_ray(backend_config: dict) -> None:
 def stop_ray_workers() -> None:
     """At a stop: SIGTERM to Ray's worker processes (the client actor, ``ray::ClientAppActor``; idle workers), so the
     engine's threads waiting on them return and Flower winds down (``RayBackend.terminate``, ``ray.shutdown``). Ray's
-    own services are left to ``ray.shutdown``, unless the signal reached them too: then a watcher thread ends the run
-    at once (``stops.end_now``; the comment below says when). The engine's error logs about the stopped workers are
-    silenced."""
+    own services are left to ``ray.shutdown``; a watcher thread ends the run at once (``stops.end_now``, what the
+    stop's deadline would do later) when, 1.5 s on, they are gone or a terminated worker sits idle (the comment below
+    says why). The engine's error logs about the stopped workers are silenced."""
     import threading
 
     import psutil
@@ -84,19 +84,32 @@ def stop_ray_workers() -> None:
             continue
     # A signal to the whole process group reaches Ray's own services too. SIGHUP ends its raylet and GCS, and
     # without them the engine cannot wind down (its calls into Ray wait for them). SIGTERM starts their own
-    # shutdown instead, during which a worker given SIGTERM does not exit (Ray 2.55 on 2 cores: the actor, raylet and
-    # GCS all still there 5.6 s later, until the deadline), and again nothing winds down. After 1.5 s, either sign
-    # (a service gone, a terminated worker still running) ends the run at once, as the deadline would; a stop that
-    # reached the CLI alone has its workers gone by then (≈ 0.5 s on 2 cores).
+    # shutdown instead, during which a worker given SIGTERM does not exit but sleeps (Ray 2.55 on 2 cores: the
+    # actor, raylet and GCS all still there 5.6 s later, until the deadline), and again nothing winds down. So 1.5 s
+    # on, either sign ends the run at once, as the deadline would: a service gone (also where ray.shutdown ended it:
+    # the run is ending then anyway), or a terminated worker alive and idle (< 0.2 s of CPU in those 1.5 s). A worker
+    # still computing is left alone: Ray's SIGTERM handler runs once its thread is back in Python (a backward pass
+    # on the CPU can take seconds), and the stop's deadline still bounds the wait.
     services = [p for p in stops.remembered() if _name(p) in ("raylet", "gcs_server")]
+    started = {w.pid: _cpu_seconds(w) for w in workers}
 
     def watch() -> None:
         gone, _ = psutil.wait_procs(services, timeout=1.5)
-        if gone or any(stops.alive(w) for w in workers):
+        idle = [w for w in workers if stops.alive(w) and _cpu_seconds(w) - started[w.pid] < 0.2]
+        if gone or idle:
             stops.end_now()
 
     if services:
         threading.Thread(target=watch, name="fedspear-ray-watch", daemon=True).start()
+
+
+def _cpu_seconds(proc) -> float:
+    """CPU seconds ``proc`` has used (user + system); 0 where it cannot be read (gone)."""
+    try:
+        times = proc.cpu_times()
+        return times.user + times.system
+    except Exception:  # noqa: BLE001 - psutil.Error: gone or not ours to read
+        return 0.0
 
 
 def _name(proc) -> str:

@@ -207,7 +207,13 @@ def serve(store_path: str | Path, responder: ChatModel, *, max_revisions: int = 
     # SIGINT / SIGTERM / SIGHUP: uvicorn closes the server (an answer being generated gets 3 s), then raises the
     # signal again for fedspear's handler, which prints the stop line and ends the command (``fedspear.stops``)
     config = uvicorn.Config(app, host=host, port=port, log_level="warning", timeout_graceful_shutdown=3)
-    _server_class(uvicorn)(config).run()
+    server = _server_class(uvicorn)(config)
+    server.run()
+    if not server.started:  # as uvicorn.run ends: it has logged why (e.g. the port is in use)
+        raise SystemExit(STARTUP_FAILURE)
+
+
+STARTUP_FAILURE = 3  # exit status when the server could not start (uvicorn.main.STARTUP_FAILURE)
 
 
 def _server_class(uvicorn):

@@ -209,7 +209,7 @@ def serve(store_path: str | Path, responder: ChatModel, *, max_revisions: int = 
     config = uvicorn.Config(app, host=host, port=port, log_level="warning", timeout_graceful_shutdown=3)
     server = _server_class(uvicorn)(config)
     server.run()
-    if not server.started:  # as uvicorn.run ends: it has logged why (e.g. the port is in use)
+    if not server.started:  # as uvicorn.run ends where startup failed (it logged why; a port in use exits 1 itself)
         raise SystemExit(STARTUP_FAILURE)
 
 

@@ -324,7 +324,6 @@ def profile_training(args: tuple, kwargs: dict) -> dict:
     warning at each wait for the GPU (how many, and the lines of Python that caused the most). Kernel time far below
     the wall time means training waits on the host. → ``{"wall_s", "margin_s", "steps", "kernel_s", "kernels",
     "top_kernels": [[name, ms]], "top_host_ops": [[name, ms]], "syncs", "syncs_where": [[file:line, count]]}``."""
-    import warnings
 
     import torch
     from torch.autograd import DeviceType
@@ -371,20 +370,8 @@ def profile_training(args: tuple, kwargs: dict) -> dict:
                                                                                reverse=True)[:10]],
            "top_host_ops": [[e.key[:120], e.self_cpu_time_total / 1e3] for e in host]}
     if gpu:
-        with warnings.catch_warnings(record=True) as caught:
-            warnings.simplefilter("always")
-            torch.cuda.set_sync_debug_mode("warn")
-            try:
-                training.local_train(*args, **kwargs)
-            finally:
-                torch.cuda.set_sync_debug_mode("default")
-        syncs = [w for w in caught if "synchroniz" in str(w.message)]
-        where: dict[str, int] = {}
-        for w in syncs:
-            key = f"{Path(w.filename).name}:{w.lineno}"
-            where[key] = where.get(key, 0) + 1
-        out["syncs"] = len(syncs)
-        out["syncs_where"] = sorted(([k, v] for k, v in where.items()), key=lambda kv: -kv[1])[:10]
+        syncs = synchronisations(lambda: training.local_train(*args, **kwargs))
+        out["syncs"], out["syncs_where"] = len(syncs), sync_sites(syncs)
     _say(f"training profiled ({out['steps']} steps): {wall:.2f} s of wall time (the margin pass {out['margin_s']:.2f} "
          f"s), {out['kernel_s']:.2f} s of it in {out['kernels']} GPU kernels"
          + (f"; {out['syncs']} host synchronisations" if "syncs" in out else ""))
@@ -591,7 +578,6 @@ def host_syncs(worker, batch: int, prompt: int, new: int) -> dict:
     deferred, its wait for the step before last (``DeferredStopCheck``: ``copy_done_before.synchronize()``) may be
     counted too, once per step, though the GPU then has the next step queued: ``where`` tells it apart.
     → ``{"syncs", "syncs_half", "per_step", "where": [[file:line, count], ...]}``; ``{}`` without a GPU."""
-    import warnings
 
     import torch
 
@@ -606,27 +592,43 @@ def host_syncs(worker, batch: int, prompt: int, new: int) -> dict:
     torch.cuda.synchronize()
 
     def counted(tokens: int) -> list:
-        with warnings.catch_warnings(record=True) as caught:
-            warnings.simplefilter("always")
-            torch.cuda.set_sync_debug_mode("warn")
-            try:
-                generate(worker.model, worker.tokenizer, calls[tokens], max_new_tokens=tokens,
-                         dtype_used=worker.dtype_used)
-            finally:
-                torch.cuda.set_sync_debug_mode("default")
-        return [w for w in caught if "synchroniz" in str(w.message)]
+        return synchronisations(lambda: generate(worker.model, worker.tokenizer, calls[tokens], max_new_tokens=tokens,
+                                                 dtype_used=worker.dtype_used))
 
     half, syncs = counted(new // 2), counted(new)
-    where: dict[str, int] = {}
-    for w in syncs:
-        key = f"{Path(w.filename).name}:{w.lineno}"
-        where[key] = where.get(key, 0) + 1
     out = {"syncs": len(syncs), "syncs_half": len(half), "per_step": (len(syncs) - len(half)) / (new - new // 2),
-           "where": sorted(([k, v] for k, v in where.items()), key=lambda kv: -kv[1])[:10]}
+           "where": sync_sites(syncs)}
     _say(f"sampled calls at batch {batch}: {out['syncs_half']} host synchronisations with {new // 2} new tokens, "
          f"{out['syncs']} with {new}: {out['per_step']:.2f} per decode step; where: "
          + ", ".join(f"{k} ×{v}" for k, v in out["where"][:5]))
     return out
+
+
+def synchronisations(call) -> list:
+    """``call()`` under torch's CUDA sync debug mode → the warnings it raised, one per operation that made the host
+    wait for the GPU."""
+    import warnings
+
+    import torch
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            call()
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    return [w for w in caught if "synchroniz" in str(w.message)]
+
+
+def sync_sites(syncs: list) -> list[list]:
+    """The lines of Python behind ``synchronisations``' warnings → ``[[file:line, count], ...]``, the ten with the
+    most first."""
+    where: dict[str, int] = {}
+    for w in syncs:
+        key = f"{Path(w.filename).name}:{w.lineno}"
+        where[key] = where.get(key, 0) + 1
+    return sorted(([k, v] for k, v in where.items()), key=lambda kv: -kv[1])[:10]
 
 
 def profile_decode(worker, batch: int, prompt: int, new: int) -> dict:

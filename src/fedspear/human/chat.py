@@ -224,12 +224,14 @@ def _server_class(uvicorn):
     import signal
     from contextlib import contextmanager
 
+    from ..stops import handled_signals
+
     class Server(uvicorn.Server):
         @contextmanager
         def capture_signals(self):
             with super().capture_signals():
                 if (threading.current_thread() is not threading.main_thread()
-                        or signal.getsignal(signal.SIGHUP) == signal.SIG_IGN):
+                        or signal.SIGHUP not in handled_signals()):
                     yield
                     return
                 previous = signal.signal(signal.SIGHUP, self.handle_exit)

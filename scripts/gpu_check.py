@@ -732,11 +732,11 @@ def targets(out: dict) -> list[tuple[str, str, str, bool]]:
 
 def summary(args) -> int:
     """``--out``.json and .md: every step's result file under ``--dir`` gathered (bench, rounds, Flower run, the
-    sampled token's cost)."""
+    sampled token's cost, the LoRA input casts' A/B)."""
     folder = Path(args.dir)
     out: dict = {"kind": args.kind, "commit": args.commit, "date": time.strftime("%Y-%m-%dT%H:%M:%S"),
                  "steps": json.loads(Path(args.steps).read_text()) if args.steps and Path(args.steps).exists() else {}}
-    for name in ("bench", "round-eager", "round-compiled", "clients", "flwr-run", "sampling"):
+    for name in ("bench", "round-eager", "round-compiled", "clients", "flwr-run", "sampling", "casts"):
         path = folder / f"{name}.json"
         if path.exists():
             out[name] = json.loads(path.read_text())
@@ -810,6 +810,14 @@ def summary(args) -> int:
         lines += ["", "sampled token, ms per decode step (transformers' warpers → fedspear's sampler): " + ", ".join(
             f"batch {r['batch']} × {r['vocab']:,} {r['transformers_ms']:.2f} → {r['fedspear_ms']:.2f}"
             for r in sampling)]
+    casts = out.get("casts", {}).get("tokens_per_s", {})
+    if len(casts) == 2:
+        (cast, with_cast), (_, without) = casts.items()
+        lines += ["", f"LoRA inputs at batch {out['casts']['batch']} × {out['casts']['length']}, tokens/s ({cast} → "
+                  f"none, medians of {out['casts']['repeats']} alternating pairs): " + ", ".join(
+                      f"{what} {with_cast[what]:.0f} → {without[what]:.0f} ({without[what] / with_cast[what]:.2f}×)"
+                      for what in ("prefill", "train"))
+                  + f"; same prefill logits: {'yes' if out['casts']['same_prefill_logits'] else 'no'}"]
     rows = [] if args.dry_run else targets(out)
     if rows:
         lines += ["", "Targets (issue 40; baseline: one H100, fedspear ea2bbe6, 2026-11-27):", "",

@@ -35,6 +35,8 @@
 #      logprobs     a training micro-step's completion log-probabilities (32 × 256 positions of Qwen2.5's vocabulary):
 #                   seconds, bytes kept for the backward and peak memory, fedspear's own backward against autograd's
 #                   (scripts/token_logprobs_ab.py), in the log
+#      casts        prefill and LoRA training tokens/s at the bench's 32 × 220 with peft's cast of each LoRA input to
+#                   fp32 and without it (fedspear's way over bf16 weights), alternating (scripts/lora_casts_ab.py)
 #   7. tests        the `gpu`-marked tests and tests/test_device.py
 #   8. round-eager  the same rounds and decode timing with compile_decode = off (the same-machine baseline)
 #   9. flwr-run     a real `fedspear` federation through Flower's deployment engine (examples/deploy-local: a TLS
@@ -205,6 +207,15 @@ step sampling 60 "$PY" scripts/sampling_cost.py --device "$([ "$MODE" = gpu ] &&
 #     backward against autograd through the same operations (scripts/token_logprobs_ab.py; printed to the log)
 step logprobs 60 "$PY" scripts/token_logprobs_ab.py --device "$([ "$MODE" = gpu ] && echo cuda || echo cpu)" \
   $([ "$MODE" = dry ] && echo "--rows 2 --positions 16 --vocab 1000" || echo "--rows 32 --positions 256 --vocab 151936") || true
+
+# 6d. prefill and training throughput with peft's cast of each LoRA input to fp32 and without it (fedspear's way over
+#     bf16 weights: runtime.model.bf16_lora_inputs), alternating (scripts/lora_casts_ab.py; printed to the log)
+if [ -n "$MODEL" ]; then
+  step casts 90 "$PY" scripts/lora_casts_ab.py --model "$MODEL" --device "$([ "$MODE" = gpu ] && echo cuda || echo cpu)" \
+    $([ "$MODE" = dry ] && echo "--batch 4 --length 32 --seconds 0.3 --repeats 2") --json "$RES/casts.json" || true
+else
+  skip casts "no model (step model)"
+fi
 
 # 7. tests: tests/test_device.py whole, and the `gpu`-marked tests of the other files (skipped, with that reason,
 #    where torch sees no GPU); only these files are collected: the others may import Flower, absent there

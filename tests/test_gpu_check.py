@@ -176,12 +176,18 @@ def test_summary_gathers_every_step(tmp_path):
         "decode": {"batch_32": {"tokens_per_s": 640.0, "utilisation": 0.04}}}}))
     (tmp_path / "sampling.json").write_text(json.dumps({"device": "cuda", "rows": [
         {"batch": 32, "vocab": 151936, "transformers_ms": 1.25, "fedspear_ms": 0.5}]}))
+    (tmp_path / "casts.json").write_text(json.dumps({"batch": 32, "length": 220, "repeats": 3,
+                                                     "same_prefill_logits": True, "tokens_per_s": {
+                                                         "peft's cast": {"prefill": 80000.0, "train": 28000.0},
+                                                         "no cast": {"prefill": 90000.0, "train": 31500.0}}}))
     proc = _steps("summary", "--dir", str(tmp_path), "--kind", "cuda-x", "--commit", "abc", "--steps",
                   str(tmp_path / "steps.json"), "--out", str(tmp_path / "cuda-x-gpu-check"))
     assert proc.returncode == 0, proc.stderr
     text = (tmp_path / "cuda-x-gpu-check.md").read_text()
     assert ("sampled token, ms per decode step (transformers' warpers → fedspear's sampler): batch 32 × 151,936 "
             "1.25 → 0.50") in text
+    assert ("LoRA inputs at batch 32 × 220, tokens/s (peft's cast → none, medians of 3 alternating pairs): prefill "
+            "80000 → 90000 (1.12×), train 28000 → 31500 (1.12×); same prefill logits: yes") in text
     assert "| tests | ok | 50 |" in text and "| round-compiled | skipped: no key | 0 |" in text
     assert ("round-eager: 32 prompts, round 1 20.0 s (generation 15.0 s, training 1.5 s, 14336 tokens, peak 16.5 GiB)"
             in text)

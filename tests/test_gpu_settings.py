@@ -10,6 +10,7 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from fedspear.config import ConfigError, RunConfig
 from fedspear.runtime.model import (ACTIVATION_SHARE, CHECKPOINTING_ABOVE, LoraSettings, add_lora, autocast,
@@ -42,6 +43,70 @@ def test_bf16_parameters_keep_buffers_ties_and_an_fp32_adapter():
     loss.backward()
     assert all(p.grad is not None and p.grad.dtype == torch.float32 and p.grad.abs().sum() > 0 for p in lora.values())
     assert {a.dtype for a in get_adapter(model).values()} == {np.dtype("float32")}
+
+
+class _Casts(TorchDispatchMode):
+    """Counts ``aten._to_copy`` calls by (from dtype, to dtype)."""
+
+    def __init__(self):
+        super().__init__()
+        self.counts: dict = {}
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is torch.ops.aten._to_copy.default:
+            key = (args[0].dtype, kwargs.get("dtype"))
+            self.counts[key] = self.counts.get(key, 0) + 1
+        return func(*args, **kwargs)
+
+
+def _casting(model, enabled: bool) -> None:
+    for module in model.modules():
+        if hasattr(module, "cast_input_dtype_enabled"):
+            module.cast_input_dtype_enabled = enabled
+
+
+def test_an_adapter_over_bf16_weights_takes_its_input_in_bf16_with_the_same_outputs_and_gradients():
+    """Over bf16 weights (as a GPU holds them) peft's cast of each LoRA input to fp32, which autocast casts back, is
+    off: 2 layers × 7 projections = 14 fewer casts each way per forward, lora_A sees bf16, and the logits and the
+    adapter's gradients are bitwise those with the casts (bf16 → fp32 → bf16 is exact). Over fp32 weights nothing is
+    changed."""
+    base, _ = tiny_model()
+    bf16_parameters(base)
+    model = add_lora(base, LoraSettings(r=4, alpha=8, dropout=0.0), seed=0)
+    layers = [m for m in model.modules() if hasattr(m, "cast_input_dtype_enabled")]
+    assert len(layers) == 14 and not any(m.cast_input_dtype_enabled for m in layers)
+    for name, p in model.named_parameters():
+        if "lora_B" in name:
+            torch.nn.init.normal_(p, std=0.1, generator=torch.Generator().manual_seed(len(name)))
+    seen: list = []
+    hooks = [m.lora_A["default"].register_forward_pre_hook(lambda mod, args: seen.append(args[0].dtype))
+             for m in layers]
+    ids = torch.randint(0, 1000, (2, 12), generator=torch.Generator().manual_seed(0))
+    runs = {}
+    for casting in (True, False):
+        _casting(model, casting)
+        casts = _Casts()
+        model.eval()
+        with torch.no_grad(), autocast("bf16", "cpu"), casts:
+            logits = model(input_ids=ids).logits
+        model.train()
+        model.zero_grad(set_to_none=True)
+        with autocast("bf16", "cpu"):
+            model(input_ids=ids, labels=ids).loss.backward()
+        grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.requires_grad}
+        runs[casting] = (casts.counts, logits, grads, list(seen))
+        seen.clear()
+    for hook in hooks:
+        hook.remove()
+    (cast_counts, cast_logits, cast_grads, cast_seen), (counts, logits, grads, inputs) = runs[True], runs[False]
+    assert set(cast_seen) == {torch.float32} and set(inputs) == {torch.bfloat16} and len(inputs) == 2 * 14
+    assert cast_counts[(torch.bfloat16, torch.float32)] - counts.get((torch.bfloat16, torch.float32), 0) == 14
+    assert cast_counts[(torch.float32, torch.bfloat16)] - counts[(torch.float32, torch.bfloat16)] == 14
+    assert torch.equal(logits, cast_logits)
+    assert grads.keys() == cast_grads.keys() and all(torch.equal(grads[n], cast_grads[n]) for n in grads)
+    fp32 = add_lora(tiny_model()[0], LoraSettings(r=4, alpha=8, dropout=0.0), seed=0)
+    assert all(m.cast_input_dtype_enabled for m in fp32.modules() if hasattr(m, "cast_input_dtype_enabled"))
 
 
 def test_the_activations_estimate_by_hand():

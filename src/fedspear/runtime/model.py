@@ -231,6 +231,10 @@ def add_lora(base, settings: LoraSettings, seed: int = 0):
     ``seed`` fixes the adapter's initialisation (A random, B zero, so the initial adapter is the identity). On the
     CPU the adapter's dropout is ``cpu_kernels.FastDropout`` (its masks cost a third of ``nn.Dropout``'s there); on
     any other device peft's ``nn.Dropout``, which a GPU runs as one fused kernel where ``FastDropout`` takes four.
+
+    Over bf16 base weights (a GPU's ``bf16_parameters``, the CPU's bf16 linear weights) every forward runs under bf16
+    autocast (``autocast``), and the adapter's input is left in its dtype (``bf16_lora_inputs``): peft would cast it
+    to the fp32 adapter's dtype, only for autocast to cast it back to bf16 for ``lora_A``.
     """
     from peft import LoraConfig, get_peft_model
 
@@ -252,6 +256,7 @@ def add_lora(base, settings: LoraSettings, seed: int = 0):
     with torch.random.fork_rng():
         torch.manual_seed(seed)
         model = get_peft_model(base, config)
+    bf16_lora_inputs(model)
     if model_device(base).type != "cpu":  # a GPU's nn.Dropout is one fused kernel: FastDropout would add passes
         return model
     for module in model.modules():  # peft's nn.Dropout → FastDropout: p to 2⁻¹⁷, masks ≈ 3× cheaper on CPU
@@ -261,6 +266,31 @@ def add_lora(base, settings: LoraSettings, seed: int = 0):
                 if isinstance(drop, torch.nn.Dropout):
                     drops[key] = FastDropout(drop.p)
     return model
+
+
+def bf16_lora_inputs(model) -> int:
+    """Let ``model``'s LoRA layers over bf16 base weights take their input as it comes (peft's
+    ``cast_input_dtype_enabled = False``, the switch ``peft.helpers.disable_input_dtype_casting`` sets); returns how
+    many layers. Layers over fp32 weights are left as peft made them.
+
+    peft's ``lora.Linear.forward`` casts its input to the adapter's dtype before the dropout and ``lora_A``
+    (``BaseTunerLayer._cast_input_dtype``). With bf16 activations (every parameter bf16 on a GPU) and an fp32 adapter
+    that is a ``[tokens, in_features]`` fp32 copy per adapted projection — seven per layer — which the dropout then
+    runs over in fp32 and bf16 autocast casts straight back to bf16 for the ``lora_A`` product, and as many casts
+    again in the backward. bf16 → fp32 → bf16 is exact, so without it ``lora_A`` multiplies the same values: the same
+    outputs and gradients (``tests/test_gpu_settings.py``); the dropout scales its kept elements in the input's
+    dtype. The catch: the adapter's fp32 matrices then multiply a bf16 input, which only autocast allows — over bf16
+    weights a forward outside bf16 autocast raises (mismatched dtypes). Every forward of fedspear runs under it
+    (``autocast``), and on the CPU the bf16 base layers could not take its fp32 activations without it either.
+    """
+    from peft.tuners.tuners_utils import BaseTunerLayer
+
+    layers = [m for m in model.modules() if isinstance(m, BaseTunerLayer)
+              and getattr(m.get_base_layer(), "weight", None) is not None
+              and m.get_base_layer().weight.dtype == torch.bfloat16]
+    for layer in layers:
+        layer.cast_input_dtype_enabled = False
+    return len(layers)
 
 
 def get_adapter(model) -> "OrderedDict[str, np.ndarray]":

@@ -14,7 +14,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from fedspear.config import ConfigError, RunConfig
 from fedspear.runtime.model import (ACTIVATION_SHARE, CHECKPOINTING_ABOVE, LoraSettings, add_lora, autocast,
-                                    bf16_parameters, get_adapter, needs_checkpointing, tiny_model,
+                                    bf16_parameters, get_adapter, load_base, needs_checkpointing, tiny_model,
                                     training_activation_bytes, use_gradient_checkpointing)
 
 QWEN_1_5B = SimpleNamespace(hidden_size=1536, intermediate_size=8960, num_hidden_layers=28, num_attention_heads=12,
@@ -107,6 +107,53 @@ def test_an_adapter_over_bf16_weights_takes_its_input_in_bf16_with_the_same_outp
     assert grads.keys() == cast_grads.keys() and all(torch.equal(grads[n], cast_grads[n]) for n in grads)
     fp32 = add_lora(tiny_model()[0], LoraSettings(r=4, alpha=8, dropout=0.0), seed=0)
     assert all(m.cast_input_dtype_enabled for m in fp32.modules() if hasattr(m, "cast_input_dtype_enabled"))
+
+
+class _Products(TorchDispatchMode):
+    """Records the matrix products (``mm`` / ``bmm``) with a ``[H, V]`` operand, V the tiny model's vocabulary."""
+
+    def __init__(self, vocab: int):
+        super().__init__()
+        self.vocab, self.calls = vocab, []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        name = func.overloadpacket.__name__
+        if name in ("mm", "bmm") and args[1].shape[-1] == self.vocab:
+            self.calls.append((name, tuple(args[1].shape), args[1].stride()))
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+def test_the_lm_head_multiplies_the_last_positions_as_one_product_not_one_per_row(dtype):
+    """``logits_to_keep = 1`` slices ``hidden[:, -1:, :]``; torch's matmul would run that as ``bmm`` against the head
+    weight expanded to one copy per row (stride 0). With ``load_base``'s pre-hook it is one ``mm`` — with bf16
+    activations (every parameter bf16, as on a GPU) and with fp32 ones — and the logits are those of every position's,
+    sliced."""
+    model, _, _ = load_base("tiny-random", "fp32", "cpu")
+    if dtype == "bf16":
+        bf16_parameters(model)
+    model.requires_grad_(False)  # frozen, as under an adapter (a weight needing its gradient makes matmul fold)
+    vocab = model.config.vocab_size
+    ids = torch.randint(0, 1000, (3, 9), generator=torch.Generator().manual_seed(0))
+    model.eval()
+    for hooked in (True, False):
+        products = _Products(vocab)
+        head = model.get_output_embeddings()
+        saved = dict(head._forward_pre_hooks)
+        if not hooked:
+            head._forward_pre_hooks.clear()
+        with torch.no_grad(), autocast(dtype, "cpu"):
+            with products:
+                last = model(input_ids=ids, logits_to_keep=1).logits
+            every = model(input_ids=ids).logits
+        head._forward_pre_hooks.update(saved)
+        assert last.shape == (3, 1, vocab)
+        torch.testing.assert_close(last, every[:, -1:], rtol=0, atol=1e-2 if dtype == "bf16" else 1e-5)
+        names = [name for name, _, _ in products.calls]
+        if hooked:
+            assert names == ["mm"]
+        else:  # what the hook prevents: one product per row against a stride-0 copy of the head
+            assert names == ["bmm"] and products.calls[0][1][0] == 3 and products.calls[0][2][0] == 0
 
 
 def test_the_activations_estimate_by_hand():

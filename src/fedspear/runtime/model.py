@@ -120,6 +120,7 @@ def load_base(model: str = DEFAULT_MODEL, dtype: str = "auto", device: str = "au
         if tokenizer.pad_token is None:
             tokenizer.pad_token = tokenizer.eos_token
         base.generation_config.pad_token_id = tokenizer.pad_token_id
+    contiguous_head_input(base)
     if where_to == "cuda":
         if dtype_used == "bf16":
             bf16_parameters(base)
@@ -132,6 +133,31 @@ def load_base(model: str = DEFAULT_MODEL, dtype: str = "auto", device: str = "au
         store_linear_weights_by_column(base)  # fp32 on an Intel CPU: faster decode-sized products
     use_decode_attention(base)
     return base, tokenizer, dtype_used
+
+
+def contiguous_head_input(base) -> bool:
+    """Make the LM head's input contiguous before it multiplies (a forward pre-hook on ``base``'s output
+    embedding); returns whether ``base`` has one. A contiguous input passes unchanged.
+
+    Why: ``logits_to_keep = k`` (``generate``'s prefill asks for 1, the margin pass for 1, the bench's training for
+    16) slices the last k positions, ``hidden[:, -k:, :]``, a ``[B, k, H]`` view whose rows are a whole sequence
+    apart. ``F.linear`` hands a bias-free 3-D input to ``torch.matmul``, which folds it into one ``[B·k, H] × [H, V]``
+    product only when the leading dimensions are contiguous (ATen's ``should_fold``, LinearAlgebra.cpp; torch 2.13);
+    otherwise it runs ``bmm`` against the weight expanded to B copies, reading the whole ``[V, H]`` head once per row.
+    On this project's Zen 4 CPU (``zen4-avx512bf16``), batch 32, k = 1, bmm against one product: SmolLM2's head
+    232 against 48 ms in fp32, 1.5 s against 7 ms in bf16; Qwen2.5-1.5B's 1.07 against 0.24 s in fp32, 52 s against
+    52 ms in bf16. The copy of ``[B, k, H]`` costs next to nothing. Under bf16 autocast with fp32 activations (the CPU's bf16 path) autocast's cast already made a
+    contiguous copy; bf16 activations (a GPU) and fp32 ones (``dtype = fp32``) were left to ``bmm``.
+    """
+    head = base.get_output_embeddings()
+    if head is None:
+        return False
+    head.register_forward_pre_hook(_contiguous_input)
+    return True
+
+
+def _contiguous_input(module, args):
+    return (args[0].contiguous(), *args[1:])
 
 
 def bf16_parameters(base) -> int:

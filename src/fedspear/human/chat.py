@@ -65,7 +65,7 @@ class ChatModel:
             fedspear.runtime.model_zoo.ModelError: the model cannot be loaded.
             FileNotFoundError: no adapter at ``adapter``.
         """
-        from ..runtime.model import load_base
+        from ..runtime.model import bf16_lora_inputs, load_base
 
         base, tokenizer, dtype_used = load_base(model, dtype)
         version = model
@@ -77,6 +77,7 @@ class ChatModel:
             if not weights.is_file():
                 raise FileNotFoundError(f"no peft adapter at {folder} (expected {weights.name})")
             base = PeftModel.from_pretrained(base, folder)
+            bf16_lora_inputs(base)  # as add_lora does: over bf16 weights the input is not cast to fp32 and back
             version += f"+{folder.name}@{hashlib.sha256(weights.read_bytes()).hexdigest()[:12]}"
         base.eval()
         return cls(base, tokenizer, dtype_used, version, max_new_tokens)

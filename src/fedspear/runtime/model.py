@@ -137,26 +137,35 @@ def load_base(model: str = DEFAULT_MODEL, dtype: str = "auto", device: str = "au
 
 def contiguous_head_input(base) -> bool:
     """Make the LM head's input contiguous before it multiplies (a forward pre-hook on ``base``'s output
-    embedding); returns whether ``base`` has one. A contiguous input passes unchanged.
+    embedding, installed once); returns whether ``base`` has one. A contiguous input passes unchanged.
 
     Why: ``logits_to_keep = k`` (``generate``'s prefill asks for 1, the margin pass for 1, the bench's training for
     16) slices the last k positions, ``hidden[:, -k:, :]``, a ``[B, k, H]`` view whose rows are a whole sequence
-    apart. ``F.linear`` hands a bias-free 3-D input to ``torch.matmul``, which folds it into one ``[B·k, H] × [H, V]``
-    product only when the leading dimensions are contiguous (ATen's ``should_fold``, LinearAlgebra.cpp; torch 2.13);
-    otherwise it runs ``bmm`` against the weight expanded to B copies, reading the whole ``[V, H]`` head once per row.
-    On this project's Zen 4 CPU (``zen4-avx512bf16``), batch 32, k = 1, bmm against one product: SmolLM2's head
-    232 against 48 ms in fp32, 1.5 s against 7 ms in bf16; Qwen2.5-1.5B's 1.07 against 0.24 s in fp32, 52 s against
-    52 ms in bf16. The copy of ``[B, k, H]`` costs next to nothing. Under bf16 autocast with fp32 activations (the CPU's bf16 path) autocast's cast already made a
-    contiguous copy; bf16 activations (a GPU) and fp32 ones (``dtype = fp32``) were left to ``bmm``.
+    apart. ``F.linear`` hands such a non-contiguous 3-D input to ``torch.matmul``, which folds it into one
+    ``[B·k, H] × [H, V]`` product only when its leading dimensions are contiguous or the weight needs a gradient
+    (ATen's ``should_fold``, LinearAlgebra.cpp; torch 2.13); for a frozen head it runs ``bmm`` against the weight
+    expanded to B copies, reading the whole ``[V, H]`` head once per row. On this project's Zen 4 CPU
+    (``zen4-avx512bf16``), batch 32, k = 1, bmm against one product: SmolLM2's head 232 against 48 ms in fp32, 1.5 s
+    against 7 ms in bf16; Qwen2.5-1.5B's 1.07 against 0.24 s in fp32, 52 s against 52 ms in bf16. The copy of
+    ``[B, k, H]`` costs next to nothing. Under bf16 autocast with fp32 activations (the CPU's bf16 path) autocast's
+    cast already made a contiguous copy; bf16 activations (a GPU) and fp32 ones (``dtype = fp32``) were left to
+    ``bmm``.
     """
     head = base.get_output_embeddings()
     if head is None:
         return False
-    head.register_forward_pre_hook(_contiguous_input)
+    if not getattr(head, HEAD_HOOKED, False):
+        head.register_forward_pre_hook(_contiguous_input)
+        setattr(head, HEAD_HOOKED, True)
     return True
 
 
+HEAD_HOOKED = "fedspear_contiguous_input"  # marks a head whose pre-hook is installed
+
+
 def _contiguous_input(module, args):
+    if not args:  # called with keywords only: left as it is
+        return None
     return (args[0].contiguous(), *args[1:])
 
 
@@ -304,8 +313,14 @@ def bf16_lora_inputs(model) -> int:
     that is a ``[tokens, in_features]`` fp32 copy per adapted projection — seven per layer — which the dropout then
     runs over in fp32 and bf16 autocast casts straight back to bf16 for the ``lora_A`` product, and as many casts
     again in the backward. bf16 → fp32 → bf16 is exact, so without it ``lora_A`` multiplies the same values: the same
-    outputs and gradients (``tests/test_gpu_settings.py``); the dropout scales its kept elements in the input's
-    dtype. The catch: the adapter's fp32 matrices then multiply a bf16 input, which only autocast allows — over bf16
+    outputs, and the same gradients for the same dropout mask (``tests/test_gpu_settings.py``; the dropout scales
+    its kept elements in the input's dtype). On a GPU, torch's fused dropout assigns its random numbers to elements
+    by the input's dtype (up to 8 bf16 or 4 fp32 values per thread: ``get_vector_size``,
+    aten/src/ATen/native/cuda/Dropout.cu), so for a given seed a GPU's masks differ from those drawn before this
+    change: the same distribution, not the same draws. ``FastDropout`` (the CPU's) draws by element count, whatever
+    the dtype.
+
+    The catch: the adapter's fp32 matrices then multiply a bf16 input, which only autocast allows — over bf16
     weights a forward outside bf16 autocast raises (mismatched dtypes). Every forward of fedspear runs under it
     (``autocast``), and on the CPU the bf16 base layers could not take its fp32 activations without it either.
     """

@@ -135,6 +135,9 @@ def load_base(model: str = DEFAULT_MODEL, dtype: str = "auto", device: str = "au
     return base, tokenizer, dtype_used
 
 
+HEAD_HOOKED = "fedspear_contiguous_input"  # marks a head whose pre-hook is installed
+
+
 def contiguous_head_input(base) -> bool:
     """Make the LM head's input contiguous before it multiplies (a forward pre-hook on ``base``'s output
     embedding, installed once); returns whether ``base`` has one. A contiguous input passes unchanged.
@@ -158,9 +161,6 @@ def contiguous_head_input(base) -> bool:
         head.register_forward_pre_hook(_contiguous_input)
         setattr(head, HEAD_HOOKED, True)
     return True
-
-
-HEAD_HOOKED = "fedspear_contiguous_input"  # marks a head whose pre-hook is installed
 
 
 def _contiguous_input(module, args):

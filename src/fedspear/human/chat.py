@@ -37,6 +37,7 @@ from ..interaction import render
 from .store import TraceStore, TraceStoreError, Trajectory, count
 
 DEFAULT_PORT = 8765
+STARTUP_FAILURE = 3  # exit status when the server could not start (uvicorn.main.STARTUP_FAILURE)
 
 
 @dataclass
@@ -212,9 +213,6 @@ def serve(store_path: str | Path, responder: ChatModel, *, max_revisions: int = 
     server.run()
     if not server.started:  # as uvicorn.run ends where startup failed (it logged why; a port in use exits 1 itself)
         raise SystemExit(STARTUP_FAILURE)
-
-
-STARTUP_FAILURE = 3  # exit status when the server could not start (uvicorn.main.STARTUP_FAILURE)
 
 
 def _server_class(uvicorn):

@@ -37,6 +37,12 @@
 #                   (scripts/token_logprobs_ab.py), in the log
 #      casts        prefill and LoRA training tokens/s at the bench's 32 × 220 with peft's cast of each LoRA input to
 #                   fp32 and without it (fedspear's way over bf16 weights), alternating (scripts/lora_casts_ab.py)
+#      train-compiled  a LoRA training micro-step (the runs' path: pack, completion_logprobs, backward) at the
+#                   bench's 32 × 220 with compile_training = on and off: the compilation's seconds, a second shape's
+#                   first step (no new graph expected), warm tokens/s both ways, alternating, as shares of the matmul
+#                   bound, and the gradients' difference (scripts/compiled_training_ab.py); it compiles two graphs
+#                   of the whole model (dropout on, and off for the gradients): give it a call of its own or little
+#                   company, e.g. ONLY="model train-compiled casts"
 #   7. tests        the `gpu`-marked tests and tests/test_device.py
 #   8. round-eager  the same rounds and decode timing with compile_decode = off (the same-machine baseline)
 #   9. flwr-run     a real `fedspear` federation through Flower's deployment engine (examples/deploy-local: a TLS
@@ -215,6 +221,19 @@ if [ -n "$MODEL" ]; then
     $([ "$MODE" = dry ] && echo "--batch 4 --length 32 --seconds 0.3 --repeats 2") --json "$RES/casts.json" || true
 else
   skip casts "no model (step model)"
+fi
+
+# 6e. a training micro-step with the LoRA model's forward compiled and eager (compile_training; inductor; on a CPU
+#     aot_eager, which compiles in seconds), alternating (scripts/compiled_training_ab.py; printed to the log)
+if [ -n "$MODEL" ] && [ -f src/fedspear/runtime/compiled_training.py ]; then
+  step train-compiled 300 "$PY" scripts/compiled_training_ab.py --model "$MODEL" \
+    --device "$([ "$MODE" = gpu ] && echo cuda || echo cpu)" \
+    $([ "$MODE" = dry ] && echo "--batch 4 --length 40 --window 8 --seconds 0.3 --repeats 2 --backend aot_eager") \
+    --json "$RES/train-compiled.json" || true
+elif [ -n "$MODEL" ]; then
+  skip train-compiled "this fedspear has no compile_training (runtime/compiled_training.py)"
+else
+  skip train-compiled "no model (step model)"
 fi
 
 # 7. tests: tests/test_device.py whole, and the `gpu`-marked tests of the other files (skipped, with that reason,

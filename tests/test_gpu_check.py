@@ -180,6 +180,10 @@ def test_summary_gathers_every_step(tmp_path):
                                                      "same_prefill_logits": True, "tokens_per_s": {
                                                          "peft's cast": {"prefill": 80000.0, "train": 28000.0},
                                                          "no cast": {"prefill": 90000.0, "train": 31500.0}}}))
+    (tmp_path / "train-compiled.json").write_text(json.dumps({
+        "batch": 32, "length": 220, "window": 16, "compile_s": {"first": 61.5, "second shape": 0.5}, "graphs": 1,
+        "graphs_after": 2, "gradients": {"norm_relative_difference": 0.025, "max_relative_difference": 0.15},
+        "tokens_per_s": {"eager": 30000.0, "compiled": 36000.0}, "utilisation": {"eager": 0.225, "compiled": 0.27}}))
     proc = _steps("summary", "--dir", str(tmp_path), "--kind", "cuda-x", "--commit", "abc", "--steps",
                   str(tmp_path / "steps.json"), "--out", str(tmp_path / "cuda-x-gpu-check"))
     assert proc.returncode == 0, proc.stderr
@@ -188,6 +192,11 @@ def test_summary_gathers_every_step(tmp_path):
             "1.25 → 0.50") in text
     assert ("LoRA inputs at batch 32 × 220, tokens/s (peft's cast → none, medians of 3 alternating pairs): prefill "
             "80000 → 90000 (1.12×), train 28000 → 31500 (1.12×); same prefill logits: yes") in text
+    assert ("training forward compiled (compile_training = on), 32 × 220 (window 16), tokens/s (eager → compiled, "
+            "medians of alternating pairs): 30000 → 36000 (1.20×; 22% → 27% of the matmul bound); first micro-step "
+            "61.5 s, a second shape's 0.5 s; 1 graph(s) for both shapes, 2 in all; LoRA gradients (dropout off) "
+            "2.5e-02 from eager ones by norm, at most 1.5e-01 of a tensor's largest entry") in text
+    assert "| LoRA training ≥ 25% of the bf16 matmul bound (compile_training = on) | 4% | 27% | yes |" in text
     assert "| tests | ok | 50 |" in text and "| round-compiled | skipped: no key | 0 |" in text
     assert ("round-eager: 32 prompts, round 1 20.0 s (generation 15.0 s, training 1.5 s, 14336 tokens, peak 16.5 GiB)"
             in text)
@@ -218,7 +227,7 @@ def test_summary_gathers_every_step(tmp_path):
     assert "| LoRA training ≥ 25% of the bf16 matmul bound | 4% | 4% | **no** |" in text
     assert "| paper-preset StrategyQA client-round ≤ 12 s warm (round-eager) | 55.3 s | 10.0 s | yes |" in text
     result = json.loads((tmp_path / "cuda-x-gpu-check.json").read_text())
-    assert result["kind"] == "cuda-x" and len(result["targets"]) == 6
+    assert result["kind"] == "cuda-x" and len(result["targets"]) == 7
 
 
 def test_prepare_carries_config_and_tokenizer_but_no_weights(tmp_path):

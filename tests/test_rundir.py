@@ -109,6 +109,7 @@ def test_other_settings_are_refused(tmp_path):
     run.check_or_write_config(RunConfig(output_dir="elsewhere").resolved())  # where it lives may change
     # how it decodes may change too: a run whose compiled decode fails resumes with it off, as the error says
     run.check_or_write_config(RunConfig(compile_decode="off").resolved())
+    run.check_or_write_config(RunConfig(compile_training="on").resolved())  # and how it trains
     # and how many held-out answers decode together: a run saved with 32 (the default before "auto") resumes under
     # the new default, and evaluates at the 32 it used (evaluation_config), as fedspear eval reproduces it
     saved = RunDir(tmp_path / "before-auto")

@@ -353,6 +353,14 @@ class RunConfig:
             choices=["auto", "on", "off"],
         ),
     )
+    compile_training: str = field(
+        default="off",
+        metadata=_meta(
+            "train with the LoRA model's forward and backward compiled (torch.compile, every input size symbolic; "
+            "compiled once per process, kept across rounds and adapters): on or off",
+            choices=["on", "off"],
+        ),
+    )
     client_gpus: float = field(
         default=1.0,
         metadata=_meta(

@@ -71,12 +71,13 @@ class RunDirError(ValueError):
     """A run directory is damaged beyond repair (the message says what is wrong and what to do)."""
 
 
-# keys that may change between invocations without changing the experiment (compile_decode: how decoding runs, as
-# device is where; a run whose compiled decode fails on a machine resumes there with compile_decode = "off";
+# keys that may change between invocations without changing the experiment (compile_decode and compile_training: how
+# decoding and training run, as device is where; a run whose compiled decode fails on a machine resumes there with
+# compile_decode = "off";
 # eval_batch_size: how many held-out answers decode together, which in bf16 may shift an answer by a token as another
 # device may, and which each evaluation records; a run saved with 32, the default before "auto", resumes under it)
 RESUME_FREE_KEYS = {"output_dir", "round_timeout", "data_dir", "round0_from", "max_empty_rounds", "tensorboard",
-                    "device", "keep_traces", "compile_decode", "eval_batch_size"}
+                    "device", "keep_traces", "compile_decode", "compile_training", "eval_batch_size"}
 
 # Keys added with a default that differs from what runs did before them: a saved config.toml without the key was
 # made under the old behaviour, so resuming it under the new default must be refused, not silently mixed.

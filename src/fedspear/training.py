@@ -22,6 +22,7 @@ import torch
 from . import losses as L
 from . import progress
 from .interaction import Trace
+from .runtime.compiled_training import training_forward
 from .runtime.cpu_kernels import FastDropout
 from .runtime.model import autocast, model_device, pad_id
 from .losses import fedprox_term
@@ -155,6 +156,8 @@ def completion_logits(model, batch: Batch, dtype_used: str) -> torch.Tensor:
 
     Raises:
         ValueError: the window is not shorter than the rows (a completion needs a token before it).
+        RuntimeError: the compiled training forward failed (``compile_training = "on"``; the message names the
+            setting that turns it off).
     """
     length = batch.input_ids.shape[1]
     if batch.window >= length:
@@ -162,7 +165,7 @@ def completion_logits(model, batch: Batch, dtype_used: str) -> torch.Tensor:
                          f"tokens (got {length})")
     keep = torch.arange(length - batch.window - 1, length - 1, device=batch.input_ids.device)  # [C]
     with autocast(dtype_used, batch.input_ids.device.type):
-        out = model(
+        out = training_forward(model)(  # compiled where compile_training is on and gradients are recorded
             input_ids=batch.input_ids,
             attention_mask=batch.attention_mask,
             position_ids=batch.position_ids,

@@ -23,6 +23,7 @@ from .config import RunConfig
 from .feedback import FeedbackSource, make_feedback
 from .algorithms import ALGORITHMS
 from .runtime.compiled import use_compiled_decode
+from .runtime.compiled_training import use_compiled_training
 from .runtime.model import (TRAIN_PROMPT_TOKENS, LoraSettings, add_lora, get_adapter, load_base, set_adapter,
                             use_gradient_checkpointing)
 from .runtime.memory import peak_rss_mb, release_memory
@@ -89,13 +90,14 @@ class Worker:
                                    gpu_share=cfg.client_gpus)
         model = add_lora(base, lora, seed=cfg.seed)
         use_compiled_decode(model, cfg.compile_decode)
+        use_compiled_training(model, cfg.compile_training)
         return cls(cfg, model, tokenizer, dtype_used, load_train_examples(cfg))
 
     def compatible(self, cfg: RunConfig) -> bool:
         """Whether this worker's model can serve ``cfg`` (same model, dtype, LoRA shape, task and data)."""
         keys = ("model", "dtype", "device", "lora_r", "lora_alpha", "lora_dropout", "last_layers",
-                "gradient_checkpointing", "compile_decode", "client_gpus", "task", "data_dir", "data_source",
-                "train_size", "seed")
+                "gradient_checkpointing", "compile_decode", "compile_training", "client_gpus", "task", "data_dir",
+                "data_source", "train_size", "seed")
         return all(getattr(self.loaded, k) == getattr(cfg, k) for k in keys)
 
     @property

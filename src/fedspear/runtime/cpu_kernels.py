@@ -249,7 +249,9 @@ class FastDropout(torch.nn.Module):
     ``1 / (1 − p_eff)`` so the expectation is exactly the input, as with ``nn.Dropout``. peft draws one mask per adapted
     projection (210 for SmolLM2-135M); on this project's CPU that costs 4.3 ns per element with ``bernoulli_`` and
     1.3 ns here (docs/performance.md). Draws come from torch's default generator, so ``torch.manual_seed`` and
-    gradient checkpointing's RNG replay apply.
+    gradient checkpointing's RNG replay apply. Traced by torch.compile (``runtime.compiled_training``) it is
+    ``torch.nn.functional.dropout`` at ``p_eff``: ``random_`` would break the graph, and a compiled graph fuses its
+    own masks.
 
     Raises:
         ValueError: ``p`` is not in [0, 1).
@@ -271,6 +273,8 @@ class FastDropout(torch.nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not self.training or self.cut == 0:
             return x
+        if torch.compiler.is_compiling():  # Tensor.random_ breaks a compiled graph (runtime.compiled_training)
+            return torch.nn.functional.dropout(x, self.p_eff, training=True)
         n = x.numel()
         words = torch.empty((n + 3) // 4, dtype=torch.int64, device=x.device).random_(-(2**63), 2**63 - 1)
         draws = words.view(torch.int16)[:n].view(x.shape)  # uniform on −2¹⁵ … 2¹⁵ − 1

@@ -335,6 +335,38 @@ def test_decode_is_timed_step_by_step_without_the_prefill():
         decode_tokens_per_s(model, tok, "fp32", batch=2, prompt=6, new=4, cache="static")
 
 
+def test_compiled_training_is_timed_when_asked(monkeypatch):
+    """``compile_training = on`` times training a second time with the forward and backward compiled (here
+    ``aot_eager``), the first micro-step (the compilation) apart, as a share of the matmul bound by the same FLOP
+    count, and leaves the model training eagerly; ``off`` times nothing more; a bad setting fails before any
+    measurement. The rendered table has its row."""
+    from fedspear.experiments import bench
+    from fedspear.runtime import compiled_training
+    from fedspear.runtime.compiled_training import compiled_training as compiled_of
+    from fedspear.runtime.model import add_lora, LoraSettings, tiny_model
+
+    monkeypatch.setattr(compiled_training, "BACKEND", "aot_eager")
+    model, _ = tiny_model(seed=0)
+    model = add_lora(model, LoraSettings(r=4, alpha=8, dropout=0.0), seed=0)
+    said = []
+    out = bench._compiled_train_rate(model, "fp32", "on", 2, 24, 0.05, 8, 1e6, 1e12, said.append)
+    assert out["tokens_per_s"] > 0 and out["first_call_seconds"] > 0
+    assert out["flops"] == pytest.approx(out["tokens_per_s"] * 1e6)
+    assert out["utilisation"] == pytest.approx(out["flops"] / 1e12)
+    assert said == ["training throughput, compiled"]
+    assert compiled_of(model) is None and not model.training  # eager again afterwards
+    assert bench._compiled_train_rate(model, "fp32", "off", 2, 24, 0.05, 8, 1e6, 1e12, said.append) == {}
+    with pytest.raises(ValueError, match="compile_training must be on or off"):
+        bench.run_bench("tiny-random", quick=True, round_=False, device="cpu", compile_training="auto")
+    row = {"tokens_per_s": 120.0, "flops": 3e9, "utilisation": 0.25, "first_call_seconds": 40.0}
+    bench_only = {k: v for k, v in _result().items() if k != "round"}
+    rendered = _rendered()
+    rendered["throughput"]["train_compiled"] = row
+    lines = bench.render({**bench_only, **rendered, "machine": {"kind": "zen4-avx2", "cpu": "c", "threads": 2,
+                                                                 "torch": "t"}}).splitlines()
+    assert "| LoRA training, compiled (first micro-step 40.0 s) | 120 tokens/s (3.0 GFLOP/s) | 25% of matmul |" in lines
+
+
 def test_compiled_decode_is_timed_where_it_compiles(monkeypatch):
     """``compile_decode = on`` times decode at batch 1 / 8 / 32 through the compiled step (here torch.compile's
     ``aot_eager``: the same graphs, eager kernels, seconds to compile) with each batch's first call apart, and leaves

@@ -118,6 +118,7 @@ def test_too_many_clients_for_the_data():
     (["--dtype", "bf17"], "dtype must be one of auto, bf16, fp32"),
     (["--gradient-checkpointing", "maybe"], "--gradient-checkpointing must be auto, on or off"),
     (["--compile-decode", "yes"], "--compile-decode must be auto, on or off"),
+    (["--compile-training", "auto"], "--compile-training must be on or off"),
 ])
 def test_bench_refuses_bad_input_before_measuring(args, fragment, tmp_path, monkeypatch):
     """A bad value or output path stops `fedspear bench` before it measures (minutes), not after; nothing written."""

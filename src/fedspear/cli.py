@@ -770,6 +770,8 @@ def bench(
                                                "activations in training (less memory, more time), as in run"),
     compile_decode: str = typer.Option("auto", "--compile-decode", help="auto | on | off: also time decode through "
                                        "the step compiled once per process (auto: on a GPU, as runs do)"),
+    compile_training: str = typer.Option("off", "--compile-training", help="on | off: also time training with the "
+                                         "forward and backward compiled, as compile_training = on trains"),
     as_json: bool = typer.Option(False, "--json", help="print JSON instead of tables"),
     output: Optional[Path] = typer.Option(None, help="also write the JSON here (and a .md beside it)"),
     results_dir: Optional[Path] = typer.Option(None, "--results-dir", help="also write <dir>/<machine kind>-<model>-"
@@ -785,6 +787,7 @@ def bench(
     from .runtime.model_zoo import ModelError
 
     from .runtime.compiled import COMPILE_DECODE
+    from .runtime.compiled_training import COMPILE_TRAINING
     from .runtime.model import resolve_dtype
 
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
@@ -800,7 +803,8 @@ def bench(
             check_output(results_dir, "--results-dir", folder=True)
         resolve_dtype(dtype, device)
         for flag, value, allowed in (("--gradient-checkpointing", gradient_checkpointing, ("auto", "on", "off")),
-                                     ("--compile-decode", compile_decode, COMPILE_DECODE)):
+                                     ("--compile-decode", compile_decode, COMPILE_DECODE),
+                                     ("--compile-training", compile_training, COMPILE_TRAINING)):
             if value not in allowed:
                 raise ValueError(f"{flag} must be {', '.join(allowed[:-1])} or {allowed[-1]} (got {value!r})")
         check_model_source(model)
@@ -810,6 +814,7 @@ def bench(
         else:
             result = run_bench(model=model, dtype=dtype, quick=quick, round_=with_round, device=device,
                                gradient_checkpointing=gradient_checkpointing, compile_decode=compile_decode,
+                               compile_training=compile_training,
                                progress=lambda text: print(f"measuring {text}", file=sys.stderr, flush=True))
     except (ModelError, ValueError) as err:
         _fail(str(err))

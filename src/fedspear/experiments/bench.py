@@ -345,14 +345,18 @@ def timed_decode(model, tokenizer, dtype_used: str, batch: int, prompt: int, new
 
 def train_tokens_per_s(model, dtype_used: str, batch: int, length: int, seconds: float, kept: int = 16) -> float:
     """Forward + backward over ``batch × length`` tokens with logits for the last ``kept`` positions (the completion
-    window of a SPEAR batch); LoRA parameters only get gradients. Dropout as configured (training mode)."""
+    window of a SPEAR batch); LoRA parameters only get gradients. Dropout as configured (training mode). The forward
+    is the one training runs (``runtime.compiled_training.training_forward``: compiled where
+    ``use_compiled_training`` turned it on; its first call, the compilation, is the untimed warm-up)."""
+    from ..runtime.compiled_training import training_forward
+
     device = model_device(model)
     ids = torch.randint(100, 1000, (batch, length), device=device)
     model.train()
 
     def step():
         with autocast(dtype_used, device.type):
-            logits = model(input_ids=ids, use_cache=False, logits_to_keep=kept).logits
+            logits = training_forward(model)(input_ids=ids, use_cache=False, logits_to_keep=kept).logits
         logits.float().logsumexp(-1).mean().backward()
         model.zero_grad(set_to_none=True)
     per_call, _ = _timed(step, seconds, device)
@@ -360,10 +364,41 @@ def train_tokens_per_s(model, dtype_used: str, batch: int, length: int, seconds:
     return batch * length / per_call
 
 
+def _compiled_train_rate(model, dtype_used: str, setting: str, batch: int, length: int, seconds: float, kept: int,
+                         flops_per_token: float, peak: float, say: Callable[[str], None]) -> dict[str, Any]:
+    """LoRA training throughput with the forward and backward compiled (``compile_training``,
+    ``runtime.compiled_training``) where ``setting`` is on: as ``train_tokens_per_s``, with the first micro-step
+    (the compilation) timed apart → ``{"tokens_per_s", "flops", "utilisation", "first_call_seconds"}``; {} where it
+    is off. The model trains eagerly again afterwards."""
+    from ..runtime.compiled_training import training_forward, use_compiled_training
+
+    if not use_compiled_training(model, setting):
+        return {}
+    say("training throughput, compiled")
+    device = model_device(model)
+    try:
+        ids = torch.randint(100, 1000, (batch, length), device=device)
+        model.train()
+        _sync(device)
+        start = time.perf_counter()
+        with autocast(dtype_used, device.type):
+            logits = training_forward(model)(input_ids=ids, use_cache=False, logits_to_keep=kept).logits
+        logits.float().logsumexp(-1).mean().backward()
+        model.zero_grad(set_to_none=True)
+        _sync(device)
+        first = time.perf_counter() - start
+        rate = train_tokens_per_s(model, dtype_used, batch, length, seconds, kept)
+    finally:
+        use_compiled_training(model, "off")
+        model.eval()
+    return {"tokens_per_s": rate, "flops": rate * flops_per_token, "utilisation": rate * flops_per_token / peak,
+            "first_call_seconds": first}
+
+
 def run_bench(model: str = "smollm2-135m", dtype: str = "auto", quick: bool = False, round_: bool = True,
               output_dir: str | None = None, progress: Callable[[str], None] | None = None,
               device: str = "auto", gradient_checkpointing: str = "auto",
-              compile_decode: str = "auto") -> dict[str, Any]:
+              compile_decode: str = "auto", compile_training: str = "off") -> dict[str, Any]:
     """Measure everything (see the module docstring) → a JSON-able dict.
 
     ``quick`` shrinks every size (for tests); ``round_=False`` skips the SPEAR round. ``progress(text)`` is called
@@ -373,21 +408,26 @@ def run_bench(model: str = "smollm2-135m", dtype: str = "auto", quick: bool = Fa
     time for the memory of the activations. ``compile_decode`` (auto | on | off, as in ``RunConfig``): where it
     compiles (``auto``: on a GPU, as runs do), decode is timed a second time through the step compiled once per
     process (``runtime.compiled``) → ``throughput["decode_compiled"]``, each batch with its first call's seconds
-    (the compilation for that batch's bucket) beside the timed ones.
+    (the compilation for that batch's bucket) beside the timed ones. ``compile_training`` (on | off, as in
+    ``RunConfig``): on, training is timed a second time with the forward and backward compiled
+    (``runtime.compiled_training``) → ``throughput["train_compiled"]``, with its first micro-step's seconds.
 
     Raises:
         ModelError: the model cannot be loaded, or ``device = cuda`` without a GPU.
-        ValueError: ``compile_decode`` is not auto, on or off.
+        ValueError: ``compile_decode`` is not auto, on or off, or ``compile_training`` not on or off.
     """
     say = progress or (lambda text: None)
     from ..evaluation import evaluate
     from ..runtime.compiled import compiles_decode
+    from ..runtime.compiled_training import COMPILE_TRAINING
     from ..runtime.model import LoraSettings, add_lora, load_base, resolve_device, use_gradient_checkpointing
     from ..tasks import arc_challenge
 
     s = 0.2 if quick else 1.5  # seconds per micro-benchmark
     where = resolve_device(device)
     compiles_decode(compile_decode, torch.device(where))  # a bad setting fails here, before any measurement
+    if compile_training not in COMPILE_TRAINING:
+        raise ValueError(f"compile_training must be on or off (got {compile_training!r})")
     out: dict[str, Any] = {
         "date": _dt.datetime.now().isoformat(timespec="seconds"),
         "machine": machine(gpu=where == "cuda"),
@@ -426,6 +466,8 @@ def run_bench(model: str = "smollm2-135m", dtype: str = "auto", quick: bool = Fa
     train = train_tokens_per_s(peft, dtype_used, batch, length, s, kept)
     prefill_flop_s = prefill * prefill_flops(counts, batch, length) / (batch * length)
     train_flop_s = train * train_flops(counts, batch, length, kept) / (batch * length)
+    train_compiled = _compiled_train_rate(peft, dtype_used, compile_training, batch, length, s, kept,
+                                          train_flops(counts, batch, length, kept) / (batch * length), peak, say)
     decode = {}
     for b in (1, 8, 32):
         say(f"decode at batch {b}")
@@ -447,11 +489,13 @@ def run_bench(model: str = "smollm2-135m", dtype: str = "auto", quick: bool = Fa
                     "batch": batch, "length": length},
         "train": {"tokens_per_s": train, "flops": train_flop_s, "utilisation": train_flop_s / peak,
                   "batch": batch, "length": length, "logits_kept": kept},
+        **({"train_compiled": train_compiled} if train_compiled else {}),
         "decode": decode,
         **({"decode_compiled": decode_compiled} if decode_compiled else {}),
         "evaluate": {"items_per_s": eval_items},
     }
     out["compile_decode"] = compile_decode
+    out["compile_training"] = compile_training
     del peft, base
     if round_:
         # the rounds' server runs in this process: its peak should be the server's, not the throughputs' above
@@ -894,6 +938,9 @@ def render(result: dict[str, Any]) -> str:
         f"{t['prefill']['utilisation']:.0%} of matmul |",
         f"| LoRA training (fwd + bwd) | {t['train']['tokens_per_s']:.0f} tokens/s ({t['train']['flops'] / g:.1f}"
         f" GFLOP/s) | {t['train']['utilisation']:.0%} of matmul |",
+        *([f"| LoRA training, compiled (first micro-step {t['train_compiled']['first_call_seconds']:.1f} s) | "
+           f"{t['train_compiled']['tokens_per_s']:.0f} tokens/s ({t['train_compiled']['flops'] / g:.1f} GFLOP/s) | "
+           f"{t['train_compiled']['utilisation']:.0%} of matmul |"] if "train_compiled" in t else []),
     ]
     for name, d in t["decode"].items():
         lines.append(f"| decode {name.replace('_', ' ')} | {d['tokens_per_s']:.0f} tokens/s (bound "

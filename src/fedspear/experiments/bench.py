@@ -348,20 +348,23 @@ def train_tokens_per_s(model, dtype_used: str, batch: int, length: int, seconds:
     window of a SPEAR batch); LoRA parameters only get gradients. Dropout as configured (training mode). The forward
     is the one training runs (``runtime.compiled_training.training_forward``: compiled where
     ``use_compiled_training`` turned it on; its first call, the compilation, is the untimed warm-up)."""
-    from ..runtime.compiled_training import training_forward
-
     device = model_device(model)
     ids = torch.randint(100, 1000, (batch, length), device=device)
     model.train()
-
-    def step():
-        with autocast(dtype_used, device.type):
-            logits = training_forward(model)(input_ids=ids, use_cache=False, logits_to_keep=kept).logits
-        logits.float().logsumexp(-1).mean().backward()
-        model.zero_grad(set_to_none=True)
-    per_call, _ = _timed(step, seconds, device)
+    per_call, _ = _timed(lambda: _train_step(model, ids, dtype_used, kept), seconds, device)
     model.eval()
     return batch * length / per_call
+
+
+def _train_step(model, ids: torch.Tensor, dtype_used: str, kept: int) -> None:
+    """One forward + backward of ``train_tokens_per_s`` over ``ids`` ``[B, L]`` (the model in training mode), its
+    gradients dropped."""
+    from ..runtime.compiled_training import training_forward
+
+    with autocast(dtype_used, ids.device.type):
+        logits = training_forward(model)(input_ids=ids, use_cache=False, logits_to_keep=kept).logits
+    logits.float().logsumexp(-1).mean().backward()
+    model.zero_grad(set_to_none=True)
 
 
 def _compiled_train_rate(model, dtype_used: str, setting: str, batch: int, length: int, seconds: float, kept: int,
@@ -370,21 +373,17 @@ def _compiled_train_rate(model, dtype_used: str, setting: str, batch: int, lengt
     ``runtime.compiled_training``) where ``setting`` is on: as ``train_tokens_per_s``, with the first micro-step
     (the compilation) timed apart → ``{"tokens_per_s", "flops", "utilisation", "first_call_seconds"}``; {} where it
     is off. The model trains eagerly again afterwards."""
-    from ..runtime.compiled_training import training_forward, use_compiled_training
+    from ..runtime.compiled_training import use_compiled_training
 
     if not use_compiled_training(model, setting):
         return {}
     say("training throughput, compiled")
     device = model_device(model)
     try:
-        ids = torch.randint(100, 1000, (batch, length), device=device)
         model.train()
         _sync(device)
         start = time.perf_counter()
-        with autocast(dtype_used, device.type):
-            logits = training_forward(model)(input_ids=ids, use_cache=False, logits_to_keep=kept).logits
-        logits.float().logsumexp(-1).mean().backward()
-        model.zero_grad(set_to_none=True)
+        _train_step(model, torch.randint(100, 1000, (batch, length), device=device), dtype_used, kept)
         _sync(device)
         first = time.perf_counter() - start
         rate = train_tokens_per_s(model, dtype_used, batch, length, seconds, kept)

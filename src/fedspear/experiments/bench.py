@@ -418,15 +418,14 @@ def run_bench(model: str = "smollm2-135m", dtype: str = "auto", quick: bool = Fa
     say = progress or (lambda text: None)
     from ..evaluation import evaluate
     from ..runtime.compiled import compiles_decode
-    from ..runtime.compiled_training import COMPILE_TRAINING
+    from ..runtime.compiled_training import check_setting
     from ..runtime.model import LoraSettings, add_lora, load_base, resolve_device, use_gradient_checkpointing
     from ..tasks import arc_challenge
 
     s = 0.2 if quick else 1.5  # seconds per micro-benchmark
     where = resolve_device(device)
     compiles_decode(compile_decode, torch.device(where))  # a bad setting fails here, before any measurement
-    if compile_training not in COMPILE_TRAINING:
-        raise ValueError(f"compile_training must be on or off (got {compile_training!r})")
+    check_setting(compile_training)
     out: dict[str, Any] = {
         "date": _dt.datetime.now().isoformat(timespec="seconds"),
         "machine": machine(gpu=where == "cuda"),
@@ -464,9 +463,10 @@ def run_bench(model: str = "smollm2-135m", dtype: str = "auto", quick: bool = Fa
     prefill = prefill_tokens_per_s(peft, dtype_used, batch, length, s)
     train = train_tokens_per_s(peft, dtype_used, batch, length, s, kept)
     prefill_flop_s = prefill * prefill_flops(counts, batch, length) / (batch * length)
-    train_flop_s = train * train_flops(counts, batch, length, kept) / (batch * length)
+    train_per_token = train_flops(counts, batch, length, kept) / (batch * length)
+    train_flop_s = train * train_per_token
     train_compiled = _compiled_train_rate(peft, dtype_used, compile_training, batch, length, s, kept,
-                                          train_flops(counts, batch, length, kept) / (batch * length), peak, say)
+                                          train_per_token, peak, say)
     decode = {}
     for b in (1, 8, 32):
         say(f"decode at batch {b}")

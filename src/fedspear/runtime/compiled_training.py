@@ -74,6 +74,16 @@ def _nothing() -> None:
     return None
 
 
+def check_setting(setting: str) -> None:
+    """Refuse a ``compile_training`` value other than on or off.
+
+    Raises:
+        ValueError: ``setting`` is not on or off.
+    """
+    if setting not in COMPILE_TRAINING:
+        raise ValueError(f"compile_training must be on or off (got {setting!r})")
+
+
 def use_compiled_training(model, setting: str = "off", *, backend=None) -> bool:
     """Make ``training.completion_logits`` run ``model``'s forward compiled (``"on"``) or eagerly (``"off"``) when it
     records gradients in training mode; returns whether compiled. Called once after the adapter is added
@@ -83,8 +93,7 @@ def use_compiled_training(model, setting: str = "off", *, backend=None) -> bool:
     Raises:
         ValueError: ``setting`` is not on or off.
     """
-    if setting not in COMPILE_TRAINING:
-        raise ValueError(f"compile_training must be on or off (got {setting!r})")
+    check_setting(setting)
     if setting == "off":
         model.__dict__.pop(ATTRIBUTE, None)
         return False

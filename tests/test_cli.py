@@ -39,7 +39,10 @@ def _run(*args):
                                                               "which has 2 layers; it must be in 1..2"),
     ],
 )
-def test_bad_input_exits_2_with_a_named_field(args, fragment):
+def test_bad_input_exits_2_with_a_named_field(args, fragment, tmp_path, monkeypatch):
+    # from an empty folder: the default output folder (runs/default) must not be a run that `make run` finished in
+    # the checkout, which a resumed command would report as done before it reads round0_from
+    monkeypatch.chdir(tmp_path)
     result = _run(*args)
     assert result.exit_code == 2, result.output
     assert fragment in result.output

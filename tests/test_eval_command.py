@@ -172,6 +172,15 @@ def test_bare_adapter_takes_r_and_alpha_from_its_config(run_dir, tmp_path):
     # no --model and no base model folder named in adapter_config.json: asked for, not guessed
     result = _eval(bare, "--eval-size", "2")
     assert result.exit_code == 2 and "a bare adapter needs --model" in result.output
+    # nor by a --config that names no model (it would have fallen back to the default model); one that does names it
+    config = tmp_path / "eval.toml"
+    config.write_text("eval_size = 2\nmax_new_tokens = 4\n")
+    result = _eval(bare, "--config", config)
+    assert result.exit_code == 2 and "a bare adapter needs --model" in result.output, result.output
+    config.write_text('model = "tiny-random"\neval_size = 2\neval_gen_size = 1\nmax_new_tokens = 4\n')
+    result = _eval(bare, "--config", config, "-o", tmp_path / "from-config.json")
+    assert result.exit_code == 0, result.output
+    assert json.loads((tmp_path / "from-config.json").read_text())["model"] == "tiny-random"
     # an unwritable output: a message before the evaluation, not a traceback
     result = _eval(bare, "--model", "tiny-random", "--eval-size", "2", "-o",
                    bare / "adapter_model.safetensors" / "x.json")

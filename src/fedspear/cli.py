@@ -18,7 +18,7 @@ from typing import Any, Optional
 
 import typer
 
-from .config import ConfigError, RunConfig, load_config, parse_assignments
+from .config import ConfigError, RunConfig, config_file_values, load_config, parse_assignments
 from .stops import Stops, compare_line, run_line, stoppable
 
 
@@ -444,8 +444,8 @@ def _run(cfg: RunConfig, verbose: bool) -> None:
 def compare(
     preset: Optional[str] = typer.Option(None, help="a built-in grid: cpu-small | cpu-qwen1.5b | cpu-qwen1.5b-sqa | "
                                          "paper | tiny"),
-    grid_file: Optional[Path] = typer.Option(None, "--grid",
-                                             help="TOML grid (tasks, algorithms, seeds, \\[axes], \\[base])"),
+    grid_file: Optional[Path] = typer.Option(None, "--grid", help="TOML grid (tasks, algorithms, seeds, settings, "
+                                             "note, \\[axes], \\[base], \\[per_task.<task>])"),
     tasks: Optional[str] = typer.Option(None, help="comma-separated tasks (overrides the preset's)"),
     algorithms: Optional[str] = typer.Option(None, help="comma-separated algorithms (overrides the preset's)"),
     seeds: Optional[str] = typer.Option(None, help="comma-separated seeds (overrides the preset's)"),
@@ -611,7 +611,8 @@ def eval_target(target: Path | None, round_: int | None, config: Path | None, ov
 
     ``target`` is a run directory (the last round metrics.jsonl completed, or ``round_``), an adapter folder
     (``…/adapters/round_NNNN``; settings from its run's ``config.toml`` two levels up when there is one, else from
-    ``config``, the overrides and the adapter's own ``adapter_config.json`` for r, α, layers and base model), or None
+    ``config``, the overrides and the adapter's own ``adapter_config.json`` for r, α, layers and base model — the
+    base model unless ``--model`` or ``config`` names one), or None
     (the base model, settings from ``config`` and the overrides). A run's own settings (model, LoRA shape, held-out
     subset, token budget) are used unless overridden.
 
@@ -644,7 +645,7 @@ def eval_target(target: Path | None, round_: int | None, config: Path | None, ov
             if isinstance(peft.get("layers_to_transform"), list):
                 shape["last_layers"] = len(peft["layers_to_transform"])
             base = peft.get("base_model_name_or_path")
-            if "model" not in overrides and config is None:
+            if "model" not in overrides and (config is None or "model" not in config_file_values(config)):
                 if not base or not Path(base).is_dir():
                     raise ConfigError(f"{target}: a bare adapter needs --model (its adapter_config.json names "
                                       f"{base!r} as base model, not a folder on this machine)")

@@ -750,7 +750,7 @@ TASK_DEFAULT_KEYS = frozenset({"tau", "max_new_tokens", "max_lose_ratio", "group
 
 def unknown_keys_error(unknown: list[str], where: str) -> ConfigError:
     """The error for keys ``RunConfig`` does not have: names where they came from (a file, ``--set``) and, for each,
-    the nearest known key (difflib, or the key's initials: ``learning_rate`` → ``lr``), instead of listing all 70.
+    the nearest known key (difflib, or the key's initials: ``learning_rate`` → ``lr``), instead of listing them all.
     """
     import difflib
 
@@ -882,6 +882,26 @@ def read_toml(path: Path, what: str) -> dict[str, Any]:
         raise ConfigError(f"{path}: not valid TOML ({err})") from None
 
 
+def config_file_values(path: str | Path) -> dict[str, Any]:
+    """The run keys a TOML config file sets (at its top level or in a ``[fedspear]`` table), unvalidated values.
+
+    Raises:
+        ConfigError: the file is missing or not TOML, a key is unknown, or keys sit beside a ``[fedspear]`` table.
+    """
+    path = Path(path)
+    values = read_toml(path, "config file")
+    if isinstance(values.get("fedspear"), dict):  # the keys in a [fedspear] table: nothing may sit beside it
+        beside = sorted(set(values) - {"fedspear"})
+        if beside:
+            raise ConfigError(f"{path}: {', '.join(beside)} outside the [fedspear] table would be ignored; put "
+                              "every key inside it, or drop the table header")
+        values = values["fedspear"]
+    known = {f.name for f in fields(RunConfig)}
+    if set(values) - known:
+        raise unknown_keys_error(sorted(set(values) - known), str(path))
+    return values
+
+
 def load_config(path: str | Path | None = None, preset: str | None = None, **overrides: Any) -> RunConfig:
     """Build a ``RunConfig`` from a preset, an optional TOML file, then keyword overrides, each over the one before
     (``None`` overrides are ignored).
@@ -892,19 +912,8 @@ def load_config(path: str | Path | None = None, preset: str | None = None, **ove
     Raises:
         ConfigError: the file is missing or not TOML, a key is unknown, a value is invalid, or the preset is unknown.
     """
-    values: dict[str, Any] = {}
+    values = config_file_values(path) if path else {}
     known = {f.name for f in fields(RunConfig)}
-    if path:
-        path = Path(path)
-        values = read_toml(path, "config file")
-        if isinstance(values.get("fedspear"), dict):  # the keys in a [fedspear] table: nothing may sit beside it
-            beside = sorted(set(values) - {"fedspear"})
-            if beside:
-                raise ConfigError(f"{path}: {', '.join(beside)} outside the [fedspear] table would be ignored; put "
-                                  "every key inside it, or drop the table header")
-            values = values["fedspear"]
-        if set(values) - known:
-            raise unknown_keys_error(sorted(set(values) - known), str(path))
     values.update({k: v for k, v in overrides.items() if v is not None})
     if preset:
         from .paper_settings import preset_settings

@@ -94,7 +94,9 @@ class Worker:
         return cls(cfg, model, tokenizer, dtype_used, load_train_examples(cfg))
 
     def compatible(self, cfg: RunConfig) -> bool:
-        """Whether this worker's model can serve ``cfg`` (same model, dtype, LoRA shape, task and data)."""
+        """Whether this worker's model can serve ``cfg``: the same model, dtype and device, LoRA shape, the ways it was
+        prepared to run (gradient checkpointing, ``compile_decode``, ``compile_training``, ``client_gpus``), task, data
+        and seed. Otherwise the process loads the model again (``NodeRunner.worker_for``)."""
         keys = ("model", "dtype", "device", "lora_r", "lora_alpha", "lora_dropout", "last_layers",
                 "gradient_checkpointing", "compile_decode", "compile_training", "client_gpus", "task", "data_dir",
                 "data_source", "train_size", "seed")

@@ -317,7 +317,8 @@ _preset("tiny", Grid(
 
 
 def load_grid(path: Path) -> Grid:
-    """A grid from a TOML file (keys: tasks, algorithms, seeds, note, [axes], [base]).
+    """A grid from a TOML file (keys: tasks, algorithms, seeds, settings, note, [axes], [base], [per_task.<task>];
+    ``Grid``'s fields).
 
     Raises:
         ConfigError: the file is missing, not TOML, has unknown keys or an invalid cell.

@@ -111,3 +111,26 @@ def test_any_config_is_accepted_or_refused_by_name(overrides):
         return
     assert isinstance(cfg, RunConfig)
     cfg.resolved()
+
+
+def test_a_model_folder_transformers_cannot_load_is_a_model_error(tmp_path):
+    """A folder with a config.json but no usable tokenizer or weights: a ModelError naming the folder (the run's
+    one-line error), not transformers' ValueError as a traceback after the run had started."""
+    import pytest
+
+    from fedspear.runtime.model import load_base
+    from fedspear.runtime.model_zoo import ModelError
+
+    (tmp_path / "config.json").write_text("{}")
+    with pytest.raises(ModelError, match=f"could not load model '{tmp_path}' from {tmp_path}: "):
+        load_base(str(tmp_path), "fp32", "cpu")
+
+
+def test_set_keeps_a_string_setting_a_string():
+    """`--set output_dir=2024` was refused as "expected a string, got 2024" (TOML read it as a number; a date
+    likewise), while `-o 2024` worked."""
+    from fedspear.config import parse_assignments
+
+    parsed = parse_assignments(["output_dir=2024", "data_dir=2024-01-01", "model=\"a b\"", "lr=1e-3", "rounds=3"])
+    assert parsed == {"output_dir": "2024", "data_dir": "2024-01-01", "model": "a b", "lr": 0.001, "rounds": 3}
+    assert load_config(None, **parsed).output_dir == "2024"

@@ -35,6 +35,10 @@ def _run(*args):
         (["--clients", "4", "--set", "num_clients=5"], "--set num_clients: also given as --clients 4"),
         (["--set", "round0_from=/nonexistent/run"], "round0_from /nonexistent/run: not a fedspear run directory"),
         (["--data-dir", " "], "data_dir: empty; give a folder"),
+        (["--preset", ""], "unknown preset ''"),  # not "no preset": a full default run started
+        (["--model", ""], "model: empty; give a packaged name"),  # was "model directory . has no config.json"
+        (["--model", __file__], "is a file; give a Hugging Face model folder"),
+        (["--seed", str(2**64)], "seed: 18446744073709551616 is out of range; it must be <= 4294967295"),
         (["--model", "tiny-random", "--set", "last_layers=3"], "last_layers: 3 is out of range for tiny-random, "
                                                               "which has 2 layers; it must be in 1..2"),
     ],
@@ -63,6 +67,30 @@ def test_malformed_data_record_names_file_and_line(tmp_path):
     assert "train.jsonl:3" in result.output and "answerKey" in result.output
 
 
+def test_a_data_line_that_is_not_utf8_is_named(tmp_path):
+    data = tmp_path / "data" / "arc_challenge"
+    data.mkdir(parents=True)
+    shutil.copy(PACKAGE_DATA_DIR / "arc_challenge" / "test.jsonl", data / "test.jsonl")
+    lines = (PACKAGE_DATA_DIR / "arc_challenge" / "train.jsonl").read_bytes().splitlines()[:20]
+    lines[4] = b"\xff\xfe\x00"
+    (data / "train.jsonl").write_bytes(b"\n".join(lines) + b"\n")
+    result = _run("--model", "tiny-random", "--data-dir", str(tmp_path / "data"), "-o", str(tmp_path / "run"))
+    assert result.exit_code == 2, result.output
+    assert "train.jsonl:5: not UTF-8 text (character 1 of the line)" in result.output
+
+
+def test_an_empty_evaluation_split_is_refused(tmp_path):
+    """Every round would have scored 0 held-out items and the run "finished" with a blank accuracy."""
+    data = tmp_path / "data" / "arc_challenge"
+    data.mkdir(parents=True)
+    shutil.copy(PACKAGE_DATA_DIR / "arc_challenge" / "train.jsonl", data / "train.jsonl")
+    (data / "test.jsonl").write_text("\n")
+    result = _run("--model", "tiny-random", "--data-dir", str(tmp_path / "data"), "-o", str(tmp_path / "run"))
+    assert result.exit_code == 2, result.output
+    assert "arc_challenge's test split (data_dir" in result.output and "holds no usable record" in result.output
+    assert not (tmp_path / "run").exists()
+
+
 def test_a_folder_that_is_not_a_run_is_left_as_it_is(tmp_path):
     """`-o` naming a folder without config.toml (not a run directory) that holds files a run's start would delete
     (its *.tmp leftovers) or read as its own (metrics.jsonl, adapters/) is refused before anything in it is written or
@@ -76,6 +104,23 @@ def test_a_folder_that_is_not_a_run_is_left_as_it_is(tmp_path):
     assert result.exit_code == 2, result.output
     assert "holds build.tmp, notes.tmp but no config.toml: not a fedspear run directory" in result.output
     assert sorted(str(p.relative_to(folder)) for p in folder.rglob("*")) == before
+
+
+@pytest.mark.parametrize("names", [("report.md", "plots/accuracy.png", "partitions.json"), ("progress/notes.txt",),
+                                   ("answers/a.txt", "eval/e.json"), ("config.toml/mine.txt",)])
+def test_a_folder_holding_what_a_run_would_write_is_left_as_it_is(tmp_path, names):
+    """A folder without config.toml holding a file or folder of a name a run writes (its report, plots, partitions,
+    answers, the progress folder it deletes at its start…) is refused: a run there replaced the user's files."""
+    folder = tmp_path / "mydocs"
+    for name in names:
+        (folder / name).parent.mkdir(parents=True, exist_ok=True)
+        (folder / name).write_text("mine")
+    result = _run("--model", "tiny-random", "-o", str(folder))
+    assert result.exit_code == 2, result.output
+    assert ("but no config.toml: not a fedspear run directory" in result.output
+            or "its config.toml is a folder, not a run's config" in result.output)
+    assert sorted(str(p.relative_to(folder)) for p in folder.rglob("*") if p.is_file()) == sorted(names)
+    assert all((folder / name).read_text() == "mine" for name in names)
 
 
 def test_certs_refuses_keys_only_without_a_node_and_a_file_for_its_folder(tmp_path):
@@ -134,6 +179,18 @@ def test_bench_refuses_bad_input_before_measuring(args, fragment, tmp_path, monk
     assert result.exit_code == 2, result.output
     assert fragment.format(tmp=tmp_path) in result.output and "Traceback" not in result.output
     assert sorted(p.name for p in tmp_path.iterdir()) == ["file.txt"]
+
+
+def test_bench_refuses_a_folder_where_its_markdown_goes(tmp_path, monkeypatch):
+    """The .md written beside --output after the measuring: a folder there was an IsADirectoryError at the end."""
+    from fedspear.experiments import bench
+
+    (tmp_path / "q.md").mkdir()
+    monkeypatch.setattr(bench, "run_bench", lambda **kwargs: pytest.fail("measured despite bad input"))
+    result = runner.invoke(app, ["bench", "--model", "tiny-random", "--quick", "--no-round",
+                                 "--output", str(tmp_path / "q.json")])
+    assert result.exit_code == 2, result.output
+    assert f"the md file goes beside it as {tmp_path / 'q.md'}, which is a folder" in result.output
 
 
 def test_bench_quick_prints_every_figure(tmp_path):

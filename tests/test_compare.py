@@ -46,6 +46,84 @@ def test_bad_grids_are_rejected_with_the_reason(kwargs, message):
         Grid(**kwargs)
 
 
+@pytest.mark.parametrize("key, values, repeated", [
+    ("seeds", [0, 1, 0], "0"), ("tasks", ["arc_challenge", "arc_challenge"], "arc_challenge"),
+    ("algorithms", ["spear", "grpo", "spear"], "spear"), ("axes", {"mu": [0.1, 0.1]}, "0.1"),
+])
+def test_a_repeated_seed_task_algorithm_or_axis_value_is_refused(tmp_path, key, values, repeated):
+    """``--seeds 0,0`` ran one cell and comparison.md counted it twice ("seeds 0, 0", "2 × 4", "± 0.00")."""
+    grid = {"tasks": ["arc_challenge"], key: values}
+    with pytest.raises(ConfigError, match=f"grid: {'axis mu' if key == 'axes' else key} repeats {repeated}; "):
+        Grid(**grid)
+    with pytest.raises(ConfigError, match="seeds repeats 0"):
+        PRESETS["tiny"].overridden(seeds="0,0")
+    path = tmp_path / "grid.toml"
+    path.write_text('tasks = ["arc_challenge"]\nseeds = [0, 0]\n')
+    with pytest.raises(ConfigError, match="grid.toml: grid: seeds repeats 0"):
+        load_grid(path)
+
+
+@pytest.mark.parametrize("option", ["tasks", "algorithms", "seeds"])
+@pytest.mark.parametrize("text", ["", " , "])
+def test_an_empty_list_on_the_command_line_is_refused(option, text):
+    """``--seeds ''`` ran the preset's seeds, as if the option were not given: an empty list is not a grid."""
+    with pytest.raises(ConfigError, match=f"--{option}: {re.escape(repr(text))} names no"):
+        PRESETS["tiny"].overridden(**{option: text})
+    from typer.testing import CliRunner
+
+    from fedspear.cli import app
+
+    result = CliRunner().invoke(app, ["compare", "--preset", "tiny", f"--{option}", text, "--summary-only"])
+    assert result.exit_code == 2 and f"--{option}: {text!r} names no" in result.output, result.output
+
+
+def _saved_grid(out: Path, grid: Grid, monkeypatch) -> None:
+    """``out`` as ``fedspear compare`` leaves it when its first cell fails: grid.toml written, no finished cell."""
+    import fedspear.experiments.compare.grid as compare_module
+
+    monkeypatch.setattr(compare_module.stops, "call", lambda *a, **k: 1)
+    with pytest.raises(RuntimeError, match="failed"):
+        compare_module.run_grid(grid, out)
+
+
+def test_summary_only_refuses_a_grid_other_than_the_one_that_ran(tmp_path, monkeypatch):
+    """``--summary-only --set lr=1e-3`` (or other seeds) wrote a comparison.md claiming settings its cells never ran
+    with; without ``--summary-only`` the same change was refused. Now both refuse it, and the summary is unchanged;
+    the grid that ran (its note aside) is still summarised."""
+    from typer.testing import CliRunner
+
+    from fedspear.cli import app
+    from fedspear.experiments.compare.summary import summarise
+    from fedspear.rundir import RunDirError
+
+    out = tmp_path / "c2"
+    _saved_grid(out, PRESETS["tiny"].overridden(algorithms="spear"), monkeypatch)
+    cmd = ["compare", "--preset", "tiny", "--algorithms", "spear", "-o", str(out), "--summary-only"]
+    for extra, differs in ((["--set", "lr=1e-3"], "base"), (["--seeds", "0,1"], "seeds"),
+                           (["--algorithms", "spear,grpo"], "algorithms")):
+        result = CliRunner().invoke(app, cmd + extra)
+        assert result.exit_code == 2, result.output
+        assert f"{out} holds another grid (differs in: {differs})" in result.output and "Traceback" not in result.output
+        assert not (out / "comparison.md").exists()
+    with pytest.raises(RunDirError, match="holds another grid"):
+        summarise(PRESETS["tiny"], out)
+    same = Grid(**{**PRESETS["tiny"].overridden(algorithms="spear").to_dict(), "note": "reworded"})
+    assert summarise(same, out) == out / "comparison.md"
+
+
+def test_summary_only_without_a_comparison_says_so(tmp_path):
+    """``--summary-only`` on a folder with no grid and no cells ended in a FileNotFoundError traceback."""
+    from typer.testing import CliRunner
+
+    from fedspear.cli import app
+
+    for out in (tmp_path / "c1", tmp_path):  # absent, and a folder that holds no comparison
+        result = CliRunner().invoke(app, ["compare", "--preset", "tiny", "-o", str(out), "--summary-only"])
+        assert result.exit_code == 2, result.output
+        assert f"{out}: no comparison to summarise" in result.output and "Traceback" not in result.output
+        assert not (out / "comparison.md").exists()
+
+
 def test_grid_file_errors(tmp_path):
     with pytest.raises(ConfigError, match="not found"):
         load_grid(tmp_path / "missing.toml")
@@ -100,10 +178,11 @@ def test_mean_std_and_paired_interval_by_hand():
 
 def test_item_paired_gain_and_accuracy_interval_by_hand():
     """Round 0 "1100", two seeds "1110" and "1010": per-item gains (0, −½, 1, 0) → mean 0.125, sd 0.629153,
-    half-width 1.959964 · sd / 2; per-item final scores (1, ½, 1, 0) → 0.625, sd 0.478714."""
+    half-width 1.959964 · sd / 2; per-item final scores (1, ½, 1, 0) → 0.625, sd 0.478714, half-width 0.469131:
+    0.625 + 0.469131 = 1.094131 is cut to 1 (no accuracy exceeds 100%)."""
     assert paired_gain("1100", ["1110", "1010"]) == pytest.approx((0.125, 0.125 - 0.616558, 0.125 + 0.616558),
                                                                    abs=1e-6)
-    assert item_mean_ci(["1110", "1010"]) == pytest.approx((0.625, 0.625 - 0.469131, 0.625 + 0.469131), abs=1e-6)
+    assert item_mean_ci(["1110", "1010"]) == pytest.approx((0.625, 0.625 - 0.469131, 1.0), abs=1e-6)
     assert paired_gain("0101", ["0101"]) == (0.0, 0.0, 0.0)  # the same answers: no gain, no spread
     for before, after in (("110", ["1110"]), ("1100", []), ("11x0", ["1100"]), ("", [""])):
         with pytest.raises(ValueError, match="same items"):
@@ -120,6 +199,17 @@ def test_item_paired_difference_between_two_algorithms_by_hand():
         item_paired_diff(["1100", "1010"], ["0100"])
     with pytest.raises(ValueError, match="same items"):
         item_paired_diff(["1100"], ["010"])
+
+
+def test_accuracy_intervals_stay_within_their_range():
+    """An audit found 50.0 [-6.6, 106.6] for one run right on 2 of 4 items: the normal interval 0.5 ± 1.959964 ·
+    0.577350 / 2 = 0.5 ± 0.565792, now cut to [0, 1]; 3 of 4: 0.75 ± 1.959964 · 0.5 / 2 = 0.75 ± 0.489991 →
+    [0.260009, 1]. Intervals of differences stay symmetric (margin_gap reads their half-width back): item
+    differences (1, 1, 1, 0) → 0.75 ± 0.489991 = [0.260009, 1.239991]."""
+    assert item_mean_ci(["1100"]) == pytest.approx((0.5, 0.0, 1.0), abs=1e-6)
+    assert item_mean_ci(["1110"]) == pytest.approx((0.75, 0.260009, 1.0), abs=1e-6)
+    assert item_paired_diff(["1111"], ["0001"]) == pytest.approx((0.75, 0.260009, 1.239991), abs=1e-6)
+    assert paired_gain("0001", ["1111"]) == pytest.approx((0.75, 0.260009, 1.239991), abs=1e-6)
 
 
 def test_margin_gap_between_two_tasks_by_hand():

@@ -52,6 +52,16 @@ def test_toml_errors_name_the_file(tmp_path):
     bad.write_text("rounds = -3\n")
     with pytest.raises(ConfigError, match=r"bad.toml: rounds: -3 is out of range"):
         load_config(bad)
+    # an error of a value given over the file (a flag, --set) is not blamed on the file
+    ok = tmp_path / "ok.toml"
+    ok.write_text("rounds = 1\n")
+    with pytest.raises(ConfigError, match=r"^rounds: 0 is out of range"):
+        load_config(ok, rounds=0)
+    with pytest.raises(ConfigError, match=r"^clients_per_round = 2 exceeds num_clients = 1"):
+        load_config(ok, num_clients=1)
+    ok.write_text("num_clients = 1\n")  # the file's part in a cross-key error names it
+    with pytest.raises(ConfigError, match=r"ok.toml: clients_per_round = 2 exceeds num_clients = 1"):
+        load_config(ok)
     broken = tmp_path / "broken.toml"
     broken.write_text("rounds = = 3\n")
     with pytest.raises(ConfigError, match="not valid TOML"):

@@ -92,6 +92,21 @@ def test_node_keys_are_what_flower_loads(tmp_path):
         make_node_keys(tmp_path, "../x")
 
 
+def test_node_names_are_checked_before_anything_is_written(tmp_path):
+    """``check_node_name`` is what ``fedspear certs`` runs on every --node before it writes the CA: a path, an empty
+    name or a control character (a line break would split the public key's one line) is refused, and
+    ``make_node_keys`` writes nothing for such a name."""
+    from fedspear.fl.certs import check_node_name
+
+    check_node_name("node-0")
+    for name in ("../evil", "a/b", "", "node\n0", "nul\0"):
+        with pytest.raises(ValueError, match="a node key name must be a plain file name"):
+            check_node_name(name)
+        with pytest.raises(ValueError, match="a node key name must be a plain file name"):
+            make_node_keys(tmp_path / "keys", name)
+    assert not (tmp_path / "keys").exists()
+
+
 # ---- node worker -------------------------------------------------------------------------------------------------
 def test_wire_format_round_trips_without_pickle():
     from fedspear.fl.node_worker import pack, unpack
@@ -525,3 +540,14 @@ def test_deploy_local_settings_are_what_the_server_app_will_build(tmp_path, monk
         monkeypatch.setattr(sys, "argv", ["run.py", "--output-dir", str(out), *argv])
         assert run.main() == 2
         assert words in capsys.readouterr().err and not out.exists()
+
+
+def test_certs_checks_every_node_name_before_writing(tmp_path):
+    """`fedspear certs DIR --node ../evil` refused the name only after writing the CA and server certificate."""
+    from typer.testing import CliRunner
+
+    from fedspear.cli import app
+
+    result = CliRunner().invoke(app, ["certs", str(tmp_path / "c"), "--node", "ok", "--node", "../evil"])
+    assert result.exit_code == 2 and "a node key name must be a plain file name" in result.output
+    assert not (tmp_path / "c").exists()

@@ -144,13 +144,19 @@ def test_base_model_and_overrides(run_dir, tmp_path):
         (["{run}/adapters/round_0000", "--round", "0"], "--round needs a run directory, not an adapter folder"),
         (["--round", "3"], "--round needs a run directory"),
         (["{run}", "--task", "mnist"], "task: 'mnist' is not allowed"),
+        # the result would replace the run's own records (a resume then failed on metrics.jsonl)
+        (["{run}", "-o", "{run}/metrics.jsonl"], "is inside the run directory"),
+        (["{run}", "-o", "{run}/adapters/x.json"], "is inside the run directory"),
+        (["{run}", "-o", "{run}/config.toml"], "would replace a config file"),
     ],
 )
 def test_bad_input_exits_2_with_a_named_field(run_dir, args, fragment):
     path, _ = run_dir
+    before = {p: p.read_bytes() for p in path.rglob("*") if p.is_file()}
     result = _eval(*[a.replace("{run}", str(path)) for a in args])
     assert result.exit_code == 2, result.output
     assert fragment in result.output and "Traceback" not in result.output
+    assert {p: p.read_bytes() for p in path.rglob("*") if p.is_file()} == before  # nothing of the run changed
 
 
 def test_bare_adapter_takes_r_and_alpha_from_its_config(run_dir, tmp_path):
@@ -249,3 +255,17 @@ def test_lm_eval_harness_scores_the_shipped_data_offline_with_the_adapter(tmp_pa
                                   "round_0001", limit=6, batch_size=cfg.eval_batch_size,  # the CLI's batch, precision
                                   dtype=resolve_dtype("auto"))
         assert direct["items"] == outs["r1"]["items"]
+
+
+def test_an_empty_split_is_refused_before_the_model_loads(tmp_path, monkeypatch):
+    """`fedspear eval` of a split with no record printed a blank accuracy and exit 0."""
+    from fedspear.runtime import model as runtime_model
+
+    data = tmp_path / "data" / "arc_challenge"
+    data.mkdir(parents=True)
+    (data / "test.jsonl").write_text("\n")
+    monkeypatch.setattr(runtime_model, "load_base", lambda *a, **k: pytest.fail("loaded the model for no data"))
+    result = _eval("--model", "tiny-random", "--set", f"data_dir={tmp_path / 'data'}", "-o", tmp_path / "e.json")
+    assert result.exit_code == 2, result.output
+    assert "arc_challenge's test split (data_dir" in result.output and "holds no usable record" in result.output
+    assert not (tmp_path / "e.json").exists()

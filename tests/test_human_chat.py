@@ -173,3 +173,64 @@ def test_without_the_ui_extra_chat_says_which_extra_to_install(tmp_path):
     assert proc.returncode == 2, proc.stderr
     assert "fedspear chat needs the [ui] extra: pip install 'fedspear[ui]'" in proc.stderr
     assert "Traceback" not in proc.stderr and not (tmp_path / "traces.db").exists()
+
+
+def test_chat_command_refuses_a_store_path_through_a_file_or_another_database(tmp_path):
+    """One line, exit 2, before the model loads: a --traces path under a file, and another application's SQLite
+    database (left as it was)."""
+    from typer.testing import CliRunner
+
+    from fedspear.cli import app
+
+    no_adapter = ["--model", "tiny-random", "--adapter", str(tmp_path / "none")]  # were the store accepted: exit 2
+    (tmp_path / "ok.toml").write_text("x")
+    result = CliRunner().invoke(app, ["chat", "--traces", str(tmp_path / "ok.toml" / "x.db"), *no_adapter])
+    assert result.exit_code == 2 and "ok.toml is a file, not a folder" in result.output
+    assert "Traceback" not in result.output and len(result.output.strip().splitlines()) == 1
+    other = tmp_path / "other.db"
+    conn = sqlite3.connect(other)
+    conn.execute("CREATE TABLE customers (id INTEGER PRIMARY KEY, name TEXT)")
+    conn.commit()
+    conn.close()
+    before = other.read_bytes()
+    result = CliRunner().invoke(app, ["chat", "--traces", str(other), *no_adapter])
+    assert result.exit_code == 2 and "other.db: not a fedspear trace store" in result.output
+    assert other.read_bytes() == before
+
+
+def test_the_address_is_checked_before_the_server_starts():
+    """A port in use and a host that is not this machine's are refused with the flag and the value (what the chat
+    command checks before loading the model and printing the URL); a free port passes and stays free."""
+    from fedspear.human.chat import check_bind
+
+    with socket.socket() as held:
+        held.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        held.bind(("127.0.0.1", 0))
+        held.listen()
+        port = held.getsockname()[1]
+        with pytest.raises(ValueError, match=rf"--port {port}: 127.0.0.1:{port} is already in use"):
+            check_bind("127.0.0.1", port)
+    check_bind("127.0.0.1", port)
+    check_bind("127.0.0.1", port)  # the check's own socket is closed
+    for host in ("999.1.1.1", "192.0.2.1"):  # no such address; an address of another machine (TEST-NET-1)
+        with pytest.raises(ValueError, match=rf"--host {host}: not an address of this machine"):
+            check_bind(host, port)
+
+
+def test_chat_command_checks_its_address_before_anything_else(tmp_path):
+    """A port in use: exit 2 naming --port, before the URL is printed and before the store is created."""
+    import socket
+
+    from typer.testing import CliRunner
+
+    from fedspear.cli import app
+
+    with socket.socket() as held:
+        held.bind(("127.0.0.1", 0))
+        held.listen()
+        port = held.getsockname()[1]
+        result = CliRunner().invoke(app, ["chat", "--traces", str(tmp_path / "t.db"), "--model", "tiny-random",
+                                          "--port", str(port)])
+    assert result.exit_code == 2, result.output
+    assert f"--port {port}" in result.output and "already in use" in result.output
+    assert "open http" not in result.output and not (tmp_path / "t.db").exists()

@@ -128,3 +128,40 @@ def test_foreign_and_future_files_are_refused(tmp_path):
     conn.close()
     with pytest.raises(TraceStoreError, match="newer than this fedspear understands"):
         TraceStore(newer)
+
+
+def test_a_database_of_another_application_is_refused_and_left_unchanged(tmp_path):
+    """A SQLite file holding tables that are not the trace store's (another application's database, or a table of
+    the store's name with other columns) is refused before anything is written; an empty file and a store made
+    earlier open."""
+    other = tmp_path / "other.db"
+    conn = sqlite3.connect(other)
+    conn.execute("CREATE TABLE customers (id INTEGER PRIMARY KEY, name TEXT)")
+    conn.execute("INSERT INTO customers (name) VALUES ('Ada')")
+    conn.commit()
+    conn.close()
+    before = other.read_bytes()
+    with pytest.raises(TraceStoreError, match=r"other.db: not a fedspear trace store \(it holds tables that are not "
+                                              r"the store's: customers\); give another file"):
+        TraceStore(other)
+    assert other.read_bytes() == before
+    lookalike = tmp_path / "lookalike.db"
+    conn = sqlite3.connect(lookalike)
+    conn.execute("CREATE TABLE attempts (id INTEGER, score REAL)")
+    conn.close()
+    with pytest.raises(TraceStoreError, match=r"lookalike.db: not a fedspear trace store .*attempts"):
+        TraceStore(lookalike)
+
+    empty = tmp_path / "empty.db"
+    empty.touch()
+    assert TraceStore(empty).counts()["total"] == 0
+    conversation(TraceStore(tmp_path / "t.db"))
+    assert TraceStore(tmp_path / "t.db").counts() == {"total": 1, "open": 0, "trainable": 1, "used": 0}
+
+
+def test_a_store_path_through_a_file_or_at_a_folder_is_refused(tmp_path):
+    (tmp_path / "ok.toml").write_text("x")
+    with pytest.raises(TraceStoreError, match=r"ok.toml/sub/x.db: .*ok.toml is a file, not a folder; give another"):
+        TraceStore(tmp_path / "ok.toml" / "sub" / "x.db")
+    with pytest.raises(TraceStoreError, match=r"is a folder; give a file path, e.g. .*/traces.db"):
+        TraceStore(tmp_path)

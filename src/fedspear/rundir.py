@@ -76,6 +76,10 @@ class RunDirError(ValueError):
 # compile_decode = "off";
 # eval_batch_size: how many held-out answers decode together, which in bf16 may shift an answer by a token as another
 # device may, and which each evaluation records; a run saved with 32, the default before "auto", resumes under it)
+#: what a run writes in its directory besides config.toml (and Flower's ``.flwr`` home): a folder without config.toml
+#: that holds one of these is refused as output_dir (``RunDir.check_or_write_config``), so nobody's file is replaced
+RUN_FILES = frozenset({"metrics.jsonl", "adapters", "partitions.json", "report.md", "plots", "answers", "traces",
+                       "progress", "tensorboard", "eval"})
 RESUME_FREE_KEYS = {"output_dir", "round_timeout", "data_dir", "round0_from", "max_empty_rounds", "tensorboard",
                     "device", "keep_traces", "compile_decode", "compile_training", "eval_batch_size"}
 
@@ -116,17 +120,20 @@ class RunDir:
 
         A folder without ``config.toml`` (a run directory has one from its first start on) may hold other files
         (``fedspear compare`` puts ``cell.toml`` and ``log.txt`` in a cell's folder first), but none that ``verify``
-        would delete (``*.tmp``; ``config.toml.tmp`` is a run's own: its first start was killed while writing it) or
-        that would be read as the run's (``metrics.jsonl``, ``adapters/``).
+        would delete (``*.tmp``; ``config.toml.tmp`` is a run's own: its first start was killed while writing it) and
+        none of the names a run writes (``RUN_FILES``: it would read them as its own, or replace or delete them).
 
         Raises:
             ConfigError: the saved config differs in keys other than ``RESUME_FREE_KEYS`` (names them), or the folder
-                is not a run directory and holds such files (nothing in it is changed).
+                is not a run directory and holds such files or a folder named config.toml (nothing in it is changed).
         """
+        if self.config_path.exists() and not self.config_path.is_file():
+            raise ConfigError(f"output_dir {self.path}: its config.toml is a folder, not a run's config; give a new "
+                              "or empty folder (nothing in it was changed)")
         if self.path.is_dir() and not self.config_path.exists():
             theirs = sorted(p.name for p in self.path.iterdir()
                             if (p.suffix == ".tmp" and p.name != f"{self.config_path.name}.tmp")
-                            or p.name in (self.metrics_path.name, "adapters"))
+                            or p.name in RUN_FILES)
             if theirs:
                 raise ConfigError(f"output_dir {self.path} holds {', '.join(theirs[:3])} but no config.toml: not a "
                                   "fedspear run directory; give a new or empty folder (nothing in it was changed)")

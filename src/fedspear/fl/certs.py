@@ -181,14 +181,25 @@ def make_server_certificates(out_dir: str | Path, hosts: Iterable[str] = DEFAULT
     return paths
 
 
+def check_node_name(name: str) -> None:
+    """Refuse a SuperNode key name that is not a plain file name; ``fedspear certs`` checks every ``--node`` with it
+    before it writes anything. Control characters are refused too: a line break in the name would split the public
+    key's one line (the name is its comment).
+
+    Raises:
+        ValueError: ``name`` is empty, contains a path separator or a control character.
+    """
+    if not name or "/" in name or os.sep in name or any(ord(c) < 32 or ord(c) == 127 for c in name):
+        raise ValueError(f"a node key name must be a plain file name (got {name!r})")
+
+
 def make_node_keys(out_dir: str | Path, name: str, overwrite: bool = False) -> NodeKeys:
     """Write ``<name>.key`` (OpenSSH EC private key) and ``<name>.pub`` (its OpenSSH public key) to ``out_dir``.
 
     Raises:
-        ValueError: ``name`` is empty or contains a path separator.
+        ValueError: ``name`` is not a plain file name (``check_node_name``).
     """
-    if not name or "/" in name or os.sep in name:
-        raise ValueError(f"a node key name must be a plain file name (got {name!r})")
+    check_node_name(name)
     out = Path(out_dir)
     keys = NodeKeys(name, out / f"{name}.key", out / f"{name}.pub")
     if not overwrite and keys.private_key.is_file() and keys.public_key.is_file():

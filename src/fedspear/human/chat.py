@@ -193,6 +193,41 @@ def create_app(store: TraceStore, responder: ChatModel, max_revisions: int = 2) 
     return app
 
 
+def check_bind(host: str, port: int) -> None:
+    """Refuse, before the model loads and the URL is printed, an address the server could not listen on: bind a
+    socket to ``host:port`` the way uvicorn's asyncio server does (every address ``host`` resolves to,
+    ``SO_REUSEADDR``, so a port only in TIME_WAIT passes) and close it at once. The messages name ``fedspear chat``'s
+    ``--host`` / ``--port`` and the value.
+
+    Raises:
+        ValueError: ``host`` does not resolve or is not an address of this machine; ``port`` is in use or needs
+            privileges.
+    """
+    import errno
+    import socket
+
+    where = f"--host {host}: not an address of this machine"
+    try:
+        addresses = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    except socket.gaierror as err:
+        raise ValueError(f"{where} ({err.strerror}); keep 127.0.0.1 or give one of its addresses") from None
+    for family, kind, proto, _, address in addresses:
+        with socket.socket(family, kind, proto) as sock:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            if family == socket.AF_INET6:  # as asyncio binds it: IPv6 only, the IPv4 address has its own entry
+                sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
+            try:
+                sock.bind(address)
+            except OSError as err:
+                if err.errno == errno.EADDRINUSE:
+                    raise ValueError(f"--port {port}: {host}:{port} is already in use (another fedspear chat?); stop "
+                                     "what listens there or give another --port") from None
+                if err.errno == errno.EACCES:
+                    raise ValueError(f"--port {port}: not allowed to listen there ({err.strerror}); give a port "
+                                     "above 1023") from None
+                raise ValueError(f"{where} ({err.strerror}); keep 127.0.0.1 or give one of its addresses") from None
+
+
 def serve(store_path: str | Path, responder: ChatModel, *, max_revisions: int = 2, host: str = "127.0.0.1",
           port: int = DEFAULT_PORT) -> None:
     """Run the chat app with uvicorn until interrupted (Ctrl-C or SIGTERM).

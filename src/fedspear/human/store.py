@@ -24,7 +24,7 @@ from __future__ import annotations
 import json
 import sqlite3
 import time
-from contextlib import contextmanager
+from contextlib import closing, contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Iterator, Sequence
@@ -117,17 +117,23 @@ class TraceStore:
     Args:
         path: the database file (its folder is created).
     Raises:
-        TraceStoreError: the file is not a fedspear trace store (other tables or a newer schema version).
+        TraceStoreError: the path is a folder or lies under a file; the file is not a fedspear trace store (another
+            application's tables, or a newer schema version), refused before anything is written to it.
     """
 
     def __init__(self, path: str | Path) -> None:
         self.path = Path(path)
+        _check_place(self.path)
         self.path.parent.mkdir(parents=True, exist_ok=True)
         with self._connect() as conn:
             version = conn.execute("PRAGMA user_version").fetchone()[0]
             if version > SCHEMA_VERSION:
                 raise TraceStoreError(f"{self.path}: trace store schema {version} is newer than this fedspear "
                                       f"understands ({SCHEMA_VERSION})")
+            foreign = _foreign_tables(conn)
+            if foreign:
+                raise TraceStoreError(f"{self.path}: not a fedspear trace store (it holds tables that are not the "
+                                      f"store's: {', '.join(foreign)}); give another file")
             try:
                 conn.executescript(_SCHEMA)
             except sqlite3.DatabaseError as err:
@@ -323,6 +329,33 @@ class TraceStore:
             traj.attempts.append(Attempt(text, token_ids, bool(eos), float(answered),
                                          None if verdict is None else bool(verdict), hint, judged))
         return traj
+
+
+def _check_place(path: Path) -> None:
+    """Refuse a store path that is a folder, or whose folder would have to be made where a file is (the wording of
+    ``fedspear.cli.check_output``, which the core does not import)."""
+    if path.is_dir():
+        raise TraceStoreError(f"{path} is a folder; give a file path, e.g. {path / 'traces.db'}")
+    place = path.parent
+    while not place.exists() and place != place.parent:  # the nearest part that exists: where the folders go
+        place = place.parent
+    if not place.is_dir():
+        raise TraceStoreError(f"{path}: {place} is a file, not a folder; give another path")
+
+
+def _foreign_tables(conn: sqlite3.Connection) -> list[str]:
+    """Tables of the open database that are not the trace store's: another name, or one of its names with other
+    columns (SQLite's own ``sqlite_*`` tables aside). Empty for a new file and for a store made earlier."""
+    with closing(sqlite3.connect(":memory:")) as ours:
+        ours.executescript(_SCHEMA)
+        expected = {t: _columns(ours, t) for t in ("trajectories", "attempts")}
+    tables = [r[0] for r in conn.execute("SELECT name FROM sqlite_master WHERE type = 'table' "
+                                         "AND name NOT LIKE 'sqlite\\_%' ESCAPE '\\' ORDER BY name")]
+    return [t for t in tables if expected.get(t) != _columns(conn, t)]
+
+
+def _columns(conn: sqlite3.Connection, table: str) -> list[str]:
+    return [row[1] for row in conn.execute("SELECT * FROM pragma_table_info(?)", (table,))]
 
 
 def count(trajectories: Sequence[Trajectory]) -> dict[str, int]:

@@ -114,8 +114,9 @@ def load_base(model: str = DEFAULT_MODEL, dtype: str = "auto", device: str = "au
             tokenizer = AutoTokenizer.from_pretrained(where)
             gpu_bf16 = where_to == "cuda" and dtype_used == "bf16"  # read straight into bf16: no fp32 copy in RAM
             base = AutoModelForCausalLM.from_pretrained(where, dtype=torch.bfloat16 if gpu_bf16 else torch.float32)
-        except OSError as err:
-            raise ModelError(f"could not load model '{model}' from {where}: {err}") from None
+        except (OSError, ValueError, KeyError) as err:  # missing files; a config or tokenizer transformers cannot use
+            said = " ".join(str(err).split()) or type(err).__name__  # transformers' message, on one line
+            raise ModelError(f"could not load model '{model}' from {where}: {said}") from None
         tokenizer.padding_side = "left"
         if tokenizer.pad_token is None:
             tokenizer.pad_token = tokenizer.eos_token

@@ -120,6 +120,29 @@ def packaged_gguf(name: str) -> Path:
     raise ModelError(f"model '{name}': {filename} not found in {list(spec.submodule_search_locations)}")
 
 
+def nothing_to_install(name: str) -> str | None:
+    """Why ``fedspear models install NAME`` has nothing to do (what it prints before it ends with exit 0): the
+    packaged default comes with fedspear's own install and the tiny model is made in memory. None for an opt-in model
+    (``SPLIT_MODELS``), which it installs.
+
+    Raises:
+        ModelError: the packaged default's package is missing (the message says how to install it), or ``name`` is
+            no model fedspear knows (the message lists the opt-in ones).
+    """
+    if name in PACKAGED_MODELS:
+        try:
+            gguf = packaged_gguf(name)
+        except ModelError as err:
+            raise ModelError(f"{name} is the packaged default model, installed with fedspear, not by "
+                             f"`fedspear models install`: {err}") from None
+        return f"{name} is the packaged default model, already installed with fedspear ({gguf}); nothing to install"
+    if name == TINY_MODEL:
+        return f"{name} is built in (made in memory when a command uses it); nothing to install"
+    if name not in SPLIT_MODELS:
+        raise ModelError(f"unknown opt-in model {name!r} (choose from {', '.join(SPLIT_MODELS)})")
+    return None
+
+
 def split_part_paths(name: str) -> list[Path]:
     """Paths of the chunks of split model ``name``, in order, found without importing their packages.
 
@@ -293,7 +316,8 @@ def resolve_model_dir(model: str) -> str:
     """Return something ``from_pretrained`` accepts: a cached export of a packaged model, a local dir or a hub id.
 
     Raises:
-        ModelError: ``model`` is a path that does not exist, or a packaged model whose package is missing.
+        ModelError: ``model`` is empty, a file, a path that does not exist or a folder without ``config.json``, or a
+            packaged model whose package is missing.
     """
     if model in PACKAGED_MODELS or model in SPLIT_MODELS:
         exported = exports_dir(model)
@@ -305,7 +329,11 @@ def resolve_model_dir(model: str) -> str:
             target.parent.mkdir(parents=True, exist_ok=True)
             _export_gguf(gguf, target)
         return str(target)
+    if not model.strip():
+        raise ModelError("model: empty; give a packaged name, a local Hugging Face model folder or a hub id")
     path = Path(model).expanduser()
+    if path.is_file():
+        raise ModelError(f"model path {path} is a file; give a Hugging Face model folder (config.json and weights)")
     if path.exists():
         if not (path / "config.json").is_file():
             raise ModelError(f"model directory {path} has no config.json (expected a Hugging Face model folder)")

@@ -44,10 +44,17 @@ def load_split(cfg, split: str) -> tuple[list[Example], list[str]]:
     return examples, skipped or []
 
 
+def empty_split_error(cfg, split: str) -> DataError:
+    """The error for a split of ``cfg``'s task that holds no usable record (an empty file, or every record skipped):
+    an evaluation of it would score nothing, and a run report a blank accuracy."""
+    source = f"data_dir {cfg.data_dir}" if cfg.data_dir else f"data_source {cfg.data_source}"
+    return DataError(f"{cfg.task}'s {split} split ({source}) holds no usable record: nothing to evaluate")
+
+
 def load_train_examples(cfg) -> list[Example]:
     """The task's train split (first ``train_size`` items when set), as every client sees it before partitioning."""
     examples, _ = load_split(cfg, get_task(cfg.task).TRAIN_SPLIT)
     return examples[: cfg.train_size] if cfg.train_size else examples
 
 
-__all__ = ["TASKS", "DataError", "Example", "get_task", "load_split", "load_train_examples"]
+__all__ = ["TASKS", "DataError", "Example", "empty_split_error", "get_task", "load_split", "load_train_examples"]

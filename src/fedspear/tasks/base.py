@@ -64,19 +64,26 @@ def read_jsonl(path: Path, skipped: list[str] | None = None) -> Iterator[tuple[i
         skipped: if a list is given, lines that are not JSON objects are skipped and their error messages appended
             to it instead of raising.
     Raises:
-        DataError: the file is missing, or (without ``skipped``) a line is not a JSON object (names file and line).
+        DataError: the file is missing, or (without ``skipped``) a line is not UTF-8 or not a JSON object (names file
+            and line).
     """
     path = Path(path)
     if not path.is_file():
         raise DataError(f"{path}: data file not found")
-    with path.open(encoding="utf-8") as fh:
+    # bytes that are not UTF-8 are kept as surrogates, so that such a line is named like any malformed one
+    with path.open(encoding="utf-8", errors="surrogateescape") as fh:
         for lineno, line in enumerate(fh, start=1):
-            if not line.strip():
-                continue
             try:
-                record = json.loads(line)
-            except json.JSONDecodeError as err:
-                record = DataError(f"{path}:{lineno}: not valid JSON ({err.msg})")
+                line.encode("utf-8")
+            except UnicodeEncodeError as err:
+                record = DataError(f"{path}:{lineno}: not UTF-8 text (character {err.start + 1} of the line)")
+            else:
+                if not line.strip():
+                    continue
+                try:
+                    record = json.loads(line)
+                except json.JSONDecodeError as err:
+                    record = DataError(f"{path}:{lineno}: not valid JSON ({err.msg})")
             if not isinstance(record, (dict, DataError)):
                 record = DataError(f"{path}:{lineno}: expected a JSON object, got {type(record).__name__}")
             if isinstance(record, DataError):

@@ -388,13 +388,13 @@ def load_hub_split(hub_id: str, split: str, config: str | None = None) -> list[d
         import datasets  # noqa: PLC0415 - optional, heavy, online-only dependency
     except ImportError:
         raise DataError(
-            f"{hub_id}: source='hub' needs the 'datasets' package (pip install datasets); "
-            "or use source='offline' (the default)"
+            f"{hub_id}: data_source = \"hub\" needs the 'datasets' package (pip install datasets); "
+            "or use data_source = \"offline\" (the default)"
         ) from None
     try:
         args = (hub_id, config) if config else (hub_id,)
         rows = datasets.load_dataset(*args, split=split)
     except Exception as err:  # network, auth, missing split: one message the user can act on
         raise DataError(f"{hub_id}[{split}]: could not load from the Hugging Face hub ({err}); "
-                        "use source='offline' or pass data_dir") from err
+                        "use data_source = \"offline\" (the default) or data_dir") from err
     return [dict(row) for row in rows]

@@ -13,12 +13,13 @@ result: ``config.toml`` and a ``metrics.jsonl`` whose round 0 recorded ``start_i
 A grid row may be an algorithm variant (``VARIANTS``: ``opsd_authors`` is OPSD with ``opsd_variant = "authors"``),
 so both OPSD formulations sit in one table.
 
-Outputs in ``<output>``: ``grid.toml`` (the grid; a re-run with another grid is refused, except one that only adds
-seeds or algorithms to it: the finished cells stay and the new ones run), ``cells/``,
-``comparison.md`` and ``plots/`` (accuracy vs round, cumulative wall-clock per algorithm as in the paper's Fig. 2,
-successful revisions and samples needing revision per round as in Figs. 3–5), ``comparison.json`` (every figure
-in the table). Every cell keeps its answers: the evaluation's per item (``answers/``) and, unless the grid's base
-sets ``keep_traces``, its clients' training traces (``traces/``; ``fedspear.answers``).
+Outputs in ``<output>``: ``grid.toml`` (the grid; a re-run with another grid is refused, except one that only adds seeds
+or algorithms to it: the finished cells stay and the new ones run; ``--summary-only`` summarises only the grid saved
+there, ``summary.check_summarisable``), ``cells/``, ``comparison.md`` and ``plots/`` (accuracy vs round, cumulative
+wall-clock per algorithm as in the paper's Fig. 2, successful revisions and samples needing revision per round as in
+Figs. 3–5), ``comparison.json`` (every figure in the table). Every cell keeps its answers: the evaluation's per item
+(``answers/``) and, unless the grid's base sets ``keep_traces``, its clients' training traces (``traces/``;
+``fedspear.answers``).
 """
 
 from __future__ import annotations
@@ -98,6 +99,12 @@ class Grid:
                 raise ConfigError(f"grid: {key!r} cannot be an axis; choose from {', '.join(AXES)}")
             if not isinstance(values, list) or not values:
                 raise ConfigError(f"grid: axis {key} needs a non-empty list of values, got {values!r}")
+        # a repeat names the same cell twice: it would run once and count twice in comparison.md's means
+        for key, values in (("tasks", self.tasks), ("algorithms", self.algorithms), ("seeds", self.seeds),
+                            *((f"axis {k}", v) for k, v in self.axes.items())):
+            repeated = [v for i, v in enumerate(values) if v in values[:i]]
+            if repeated:
+                raise ConfigError(f"grid: {key} repeats {repeated[0]}; give each once")
         for where, values in [("base", self.base), *((f"per_task.{t}", v) for t, v in self.per_task.items())]:
             unknown = sorted(set(values) - set(RunConfig.__dataclass_fields__))
             if unknown:
@@ -154,17 +161,26 @@ class Grid:
         ``algorithms`` / ``seeds`` replace the grid's, each ``vary`` item (``key=v1,v2``) adds or replaces an axis,
         each ``settings`` item (``key=value``) joins ``base``.
 
+        ``None`` leaves the grid's list; a given one that names nothing (``--seeds ''``) is refused, not read as
+        absent.
+
         Raises:
-            ConfigError: a seed is not an integer, an item lacks ``=``, or the result is not a valid grid.
+            ConfigError: a list names nothing, a seed is not an integer, an item lacks ``=``, or the result is not a
+                valid grid (a repeated seed, task or algorithm among them).
         """
         changes: dict[str, Any] = {}
-        if tasks:
-            changes["tasks"] = [t.strip() for t in tasks.split(",") if t.strip()]
-        if algorithms:
-            changes["algorithms"] = [a.strip() for a in algorithms.split(",") if a.strip()]
-        if seeds:
+        for option, text, what in (("tasks", tasks, "task"), ("algorithms", algorithms, "algorithm"),
+                                   ("seeds", seeds, "seed")):
+            if text is None:
+                continue
+            items = [t.strip() for t in text.split(",") if t.strip()]
+            if not items:
+                raise ConfigError(f"--{option}: {text!r} names no {what}; give comma-separated {option} or leave "
+                                  f"the option out for the grid's")
+            changes[option] = items
+        if "seeds" in changes:
             try:
-                changes["seeds"] = [int(s) for s in seeds.split(",") if s.strip()]
+                changes["seeds"] = [int(s) for s in changes["seeds"]]
             except ValueError:
                 raise ConfigError(f"--seeds expects integers, got {seeds!r}") from None
         axes = dict(self.axes)
@@ -348,6 +364,30 @@ def grid_toml(grid: Grid) -> str:
     return "\n".join(lines) + "\n"
 
 
+def pinned(grid: Grid) -> Grid:
+    """``grid`` with its client split named (``base.partitioner``), as ``grid.toml`` records it."""
+    return Grid(**{**grid.to_dict(), "base": {"partitioner": PARTITIONER_DEFAULT, **grid.base}})
+
+
+def saved_difference(grid: Grid, output: Path) -> tuple[dict[str, Any], list[str]] | None:
+    """How ``grid`` differs from the grid saved in ``<output>/grid.toml`` → (the saved grid as ``Grid.to_dict()``,
+    the keys that differ, sorted; ``note`` is prose and never differs); None when no grid is saved there.
+
+    A ``grid.toml`` written before the ``partitioner`` key existed ran under the rule of then
+    (``LEGACY_DEFAULTS``), so it is compared as naming that.
+
+    Raises:
+        ConfigError: ``grid.toml`` is not a valid grid (file and reason).
+    """
+    saved = output / "grid.toml"
+    if not saved.exists():
+        return None
+    old = load_grid(saved).to_dict()
+    old["base"] = {"partitioner": LEGACY_DEFAULTS["partitioner"], **old["base"]}
+    new = pinned(grid).to_dict()
+    return old, sorted(k for k in set(old) | set(new) if old.get(k) != new.get(k) and k != "note")
+
+
 # ---- running ----------------------------------------------------------------------------------------------------
 def run_grid(grid: Grid, output: Path, on_event: Callable[[str, Cell, float], None] | None = None,
              verbose: bool = False) -> list[Cell]:
@@ -365,13 +405,11 @@ def run_grid(grid: Grid, output: Path, on_event: Callable[[str, Cell, float], No
     """
     output.mkdir(parents=True, exist_ok=True)
     saved = output / "grid.toml"
-    # grid.toml names the client split explicitly; one written before the key existed used the rule of then
-    grid = Grid(**{**grid.to_dict(), "base": {"partitioner": PARTITIONER_DEFAULT, **grid.base}})
-    if saved.exists():
-        old = load_grid(saved).to_dict()
-        old["base"] = {"partitioner": LEGACY_DEFAULTS["partitioner"], **old["base"]}
+    differs = saved_difference(grid, output)
+    grid = pinned(grid)  # grid.toml names the client split explicitly
+    if differs is not None:
+        old, diff = differs
         new = grid.to_dict()
-        diff = sorted(k for k in set(old) | set(new) if old.get(k) != new.get(k) and k != "note")  # note: prose
         extends = set(diff) <= {"seeds", "algorithms"} and all(set(old[k]) <= set(new[k]) for k in diff)
         if not extends:
             raise ConfigError(f"{output} holds another grid (differs in: {', '.join(diff)}); use another "

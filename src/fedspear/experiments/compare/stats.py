@@ -1,4 +1,9 @@
 """Statistics of a comparison: seed means, seed-paired and item-paired 95% intervals (Wilson / normal / t).
+
+An accuracy's normal interval over items is cut at 0 and 1 (with 2 of 4 items right it read 50.0 [-6.6, 106.6] %).
+Cutting keeps at least the coverage: the true value lies within the range, so the part cut off never held it; with
+the hundreds of items of a real evaluation nothing is cut. Intervals of differences are left symmetric (mean ±
+half-width), as ``margin_gap`` and ``scripts/margins_across_tasks.py`` read them back.
 """
 
 from __future__ import annotations
@@ -31,15 +36,15 @@ def paired_ci(diffs: list[float]) -> tuple[float, float, float]:
 
 def item_mean_ci(outcomes: list[str], z: float = 1.959964) -> tuple[float, float, float]:
     """Accuracy over the same items answered in several runs (one "1"/"0" string per run, ``evaluate``'s
-    ``correct_<metric>``), with a 95% normal interval over items → ``(mean, low, high)``.
+    ``correct_<metric>``), with a 95% normal interval over items → ``(mean, low, high)``, within [0, 1].
 
-    Each item's score is its mean over the runs (seeds); the interval is mean ± z · sd / √n over the n items, so it
-    measures how much the figure would move on other items, not how it would move with other seeds.
+    Each item's score is its mean over the runs (seeds); the interval is mean ± z · sd / √n over the n items, cut to
+    [0, 1], so it measures how much the figure would move on other items, not how it would move with other seeds.
 
     Raises:
         ValueError: no strings, strings of different lengths, empty strings or characters other than 0/1.
     """
-    return _items_ci([[int(c) for c in _check_outcomes(o, outcomes)] for o in outcomes], z)
+    return _items_ci([[int(c) for c in _check_outcomes(o, outcomes)] for o in outcomes], z, cut=True)
 
 
 def paired_gain(before: str, after: list[str], z: float = 1.959964) -> tuple[float, float, float]:
@@ -72,7 +77,7 @@ def item_paired_diff(a: list[str], b: list[str], z: float = 1.959964) -> tuple[f
     group = [*a, *b]
     rows = [[int(x) - int(y) for x, y in zip(_check_outcomes(sa, group), _check_outcomes(sb, group))]
             for sa, sb in zip(a, b)]
-    return _items_ci(rows, z)
+    return _items_ci(rows, z, cut=False)
 
 
 def margin_gap(first: tuple[float, float, float], second: tuple[float, float, float]) -> tuple[float, float, float]:
@@ -100,7 +105,8 @@ def _check_outcomes(outcome: str, group: list[str]) -> str:
     return outcome
 
 
-def _items_ci(rows: list[list[int]], z: float) -> tuple[float, float, float]:
+def _items_ci(rows: list[list[int]], z: float, cut: bool) -> tuple[float, float, float]:
+    """Mean of the items' scores (each its mean over ``rows``) ± z · sd / √n; ``cut``: within [0, 1] (accuracies)."""
     if not rows:
         raise ValueError("per-item outcomes must be non-empty strings of 0/1 of one length (the same items)")
     n = len(rows[0])
@@ -108,4 +114,6 @@ def _items_ci(rows: list[list[int]], z: float) -> tuple[float, float, float]:
     m = sum(scores) / n
     sd = math.sqrt(sum((x - m) ** 2 for x in scores) / (n - 1)) if n > 1 else math.nan
     half = z * sd / math.sqrt(n)
-    return m, m - half, m + half
+    if not cut:
+        return m, m - half, m + half
+    return m, max(m - half, 0.0), min(m + half, 1.0)  # a nan half-width (one item) stays nan: max / min return it

@@ -9,10 +9,11 @@ import math
 from pathlib import Path
 from typing import Any
 
+from ...config import ConfigError
 from ...report import epsilon_text
 from ...health import fmt_count, label_counts
-from ...rundir import RunDir, initial_accuracy, initial_samples, training_seconds
-from .grid import NAMES, Cell, Grid
+from ...rundir import RunDir, RunDirError, initial_accuracy, initial_samples, training_seconds
+from .grid import NAMES, Cell, Grid, saved_difference
 from .plots import plot_comparison
 from .stats import item_mean_ci, item_paired_diff, mean_std, paired_ci, paired_gain
 
@@ -116,8 +117,37 @@ def _md_table(title: str, intro: str, header: list[str], rows: list[list[str]]) 
             *("| " + " | ".join(row) + " |" for row in rows), ""]
 
 
+def check_summarisable(grid: Grid, output: Path) -> None:
+    """Refuse to summarise ``output`` as ``grid`` unless its cells ran that grid: a summary of another one (other
+    settings, seeds or algorithms; ``fedspear compare --summary-only`` with changed options) would claim settings
+    its cells never ran with. ``note`` may differ (prose); a folder with cells but no ``grid.toml`` (written before
+    it existed) is taken as it is.
+
+    Raises:
+        RunDirError: ``output`` holds no comparison (no ``grid.toml``, no ``cells/``), holds another grid (naming
+            the keys that differ), or a ``grid.toml`` that is not a grid. RunDirError, as for a cell's damaged
+            record: the folder does not hold what the command names.
+    """
+    try:
+        differs = saved_difference(grid, output)
+    except ConfigError as err:  # a damaged grid.toml
+        raise RunDirError(str(err)) from None
+    if differs is None and not (output / "cells").is_dir():
+        raise RunDirError(f"{output}: no comparison to summarise (no grid.toml, no cells/); run the grid there "
+                          f"without --summary-only first")
+    if differs and differs[1]:
+        raise RunDirError(f"{output} holds another grid (differs in: {', '.join(differs[1])}); --summary-only "
+                          f"summarises the grid its cells ran (its grid.toml): give the same options")
+
+
 def summarise(grid: Grid, output: Path, command: str = "", started: str = "") -> Path:
-    """Write ``comparison.md``, ``comparison.json`` and ``plots/`` for the finished cells of ``grid``."""
+    """Write ``comparison.md``, ``comparison.json`` and ``plots/`` for the finished cells of ``grid``.
+
+    Raises:
+        RunDirError: ``output`` holds no comparison of ``grid`` (:func:`check_summarisable`; nothing is written), or
+            a cell's record is damaged.
+    """
+    check_summarisable(grid, output)
     cells = grid.cells(output)
     rows = [s for s in (cell_summary(c) for c in cells) if s]
     variants = sorted({r["variant"] for r in rows}, key=lambda v: [c.variant for c in cells].index(v))
@@ -295,9 +325,10 @@ def gain_table(grid: Grid, rows: list[dict], variants: list[str], metric_keys: l
         return [], []
     lines += ["## Gain over round 0", "",
               "Accuracy in % with a 95% interval over the evaluated items (each item scored by its mean over the "
-              "seeds), and the gain over the base model paired item by item (the same items at round 0 and at the "
-              "end). The intervals say how much a figure would move on other questions; with this few seeds they "
-              "do not include the spread between seeds (the ± std in the tables above).", "",
+              "seeds; a normal interval, cut to 0–100), and the gain over the base model paired item by item (the "
+              "same items at round 0 and at the end). The intervals say how much a figure would move on other "
+              "questions; with this few seeds they do not include the spread between seeds (the ± std in the tables "
+              "above).", "",
               "| Metric | Task | Variant | Algorithm | round 0 | final | gain (pp) | seeds × items |",
               "|---|---|---|---|---|---|---|---|"]
 

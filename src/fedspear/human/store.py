@@ -345,7 +345,8 @@ def _check_place(path: Path) -> None:
 
 def _foreign_tables(conn: sqlite3.Connection) -> list[str]:
     """Tables of the open database that are not the trace store's: another name, or one of its names with other
-    columns (SQLite's own ``sqlite_*`` tables aside). Empty for a new file and for a store made earlier."""
+    columns (SQLite's own ``sqlite_*`` tables aside). Empty for a new file and for a store made earlier (schema 1,
+    the only one so far: a schema 2 that migrates older stores must accept their columns here)."""
     with closing(sqlite3.connect(":memory:")) as ours:
         ours.executescript(_SCHEMA)
         expected = {t: _columns(ours, t) for t in ("trajectories", "attempts")}

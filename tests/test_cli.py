@@ -38,7 +38,8 @@ def _run(*args):
         (["--preset", ""], "unknown preset ''"),  # not "no preset": a full default run started
         (["--model", ""], "model: empty; give a packaged name"),  # was "model directory . has no config.json"
         (["--model", __file__], "is a file; give a Hugging Face model folder"),
-        (["--seed", str(2**64)], "seed: 18446744073709551616 is out of range; it must be <= 4294967295"),
+        (["--seed", str(2**64)], "seed: 18446744073709551616 is out of range; it must be <= 18446744073709551615"),
+        (["--set", "dp_noise_seed=4294967296"], "dp_noise_seed: 4294967296 is out of range; it must be <= 4294967295"),
         (["--model", "tiny-random", "--set", "last_layers=3"], "last_layers: 3 is out of range for tiny-random, "
                                                               "which has 2 layers; it must be in 1..2"),
     ],
@@ -273,3 +274,20 @@ def test_bench_scaling_quick_measures_every_axis(tmp_path):
     revisions = {r["value"]: r["counters"]["revisions_attempted"] for r in result["axes"]["max_revisions"]}
     assert revisions[0] == 0 and revisions[1] > 0
     assert out.with_suffix(".png").stat().st_size > 0 and "**max_new_tokens**" in out.with_suffix(".md").read_text()
+
+
+@pytest.mark.parametrize("command", [["compare", "--preset", "tiny", "--output-dir", "{run}"],
+                                     ["bench", "--model", "tiny-random", "--quick", "--no-round", "--output",
+                                      "{run}/partitions.json"]])
+def test_outputs_of_other_commands_stay_out_of_a_run_directory(tmp_path, command):
+    """`fedspear compare -o <run>` wrote grid.toml, cells/ and plots/ among the run's files; `bench --output
+    <run>/partitions.json` replaced the run's partitions."""
+    run = tmp_path / "run"
+    run.mkdir()
+    for name, text in (("config.toml", ""), ("metrics.jsonl", ""), ("partitions.json", "{}")):
+        (run / name).write_text(text)
+    result = runner.invoke(app, [a.format(run=run) for a in command])
+    assert result.exit_code == 2, result.output
+    assert f"is in the run directory {run}" in result.output
+    assert sorted(p.name for p in run.iterdir()) == ["config.toml", "metrics.jsonl", "partitions.json"]
+    assert (run / "partitions.json").read_text() == "{}"

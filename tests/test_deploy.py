@@ -532,6 +532,8 @@ def test_deploy_local_settings_are_what_the_server_app_will_build(tmp_path, monk
         run.run_settings(parse("clients_per_round=3"))
     with pytest.raises(ConfigError, match=r"unknown config key 'learning_rate' \(did you mean 'lr'\?\)"):
         run.run_settings(parse("learning_rate=0.1"))
+    # a string setting stays a string, as with `fedspear run --set` (2024 was the number, refused by RunConfig)
+    assert run.run_settings(parse("data_dir=2024", "user_flip_prob=0.5"))["data_dir"] == "2024"
 
     out = tmp_path / "never"
     for argv, words in ((["--nodes", "2", "--secure-aggregation"], "needs clients_per_round ≥ 3"),
@@ -551,3 +553,8 @@ def test_certs_checks_every_node_name_before_writing(tmp_path):
     result = CliRunner().invoke(app, ["certs", str(tmp_path / "c"), "--node", "ok", "--node", "../evil"])
     assert result.exit_code == 2 and "a node key name must be a plain file name" in result.output
     assert not (tmp_path / "c").exists()
+    # a node named ca or server: its key pair replaced the CA's or the SuperLink's private key
+    for name in ("ca", "server"):
+        result = CliRunner().invoke(app, ["certs", str(tmp_path / "c"), "--node", name])
+        assert result.exit_code == 2 and f"a node key name cannot be '{name}'" in result.output
+        assert not (tmp_path / "c").exists()

@@ -8,6 +8,7 @@ SmolLM2 is checked against its own metrics.jsonl in ``test_e2e``.
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -145,8 +146,8 @@ def test_base_model_and_overrides(run_dir, tmp_path):
         (["--round", "3"], "--round needs a run directory"),
         (["{run}", "--task", "mnist"], "task: 'mnist' is not allowed"),
         # the result would replace the run's own records (a resume then failed on metrics.jsonl)
-        (["{run}", "-o", "{run}/metrics.jsonl"], "is inside the run directory"),
-        (["{run}", "-o", "{run}/adapters/x.json"], "is inside the run directory"),
+        (["{run}", "-o", "{run}/metrics.jsonl"], "is in the run directory"),
+        (["{run}", "-o", "{run}/adapters/x.json"], "is in the run directory"),
         (["{run}", "-o", "{run}/config.toml"], "would replace a config file"),
     ],
 )
@@ -269,3 +270,29 @@ def test_an_empty_split_is_refused_before_the_model_loads(tmp_path, monkeypatch)
     assert result.exit_code == 2, result.output
     assert "arc_challenge's test split (data_dir" in result.output and "holds no usable record" in result.output
     assert not (tmp_path / "e.json").exists()
+
+
+def test_only_a_run_directory_keeps_outputs_out(tmp_path, monkeypatch):
+    """What counts as a run directory for outputs (`check_outside_runs`): a config.toml with a run's records, not a
+    user's project folder holding its own config.toml and plots/; a relative adapter folder named from inside
+    adapters/ still has its run's eval/ as default output."""
+    from fedspear.cli import check_outside_runs, default_eval_output
+    from fedspear.config import ConfigError
+
+    project = tmp_path / "proj"
+    (project / "plots").mkdir(parents=True)
+    (project / "config.toml").write_text('model = "tiny-random"\n')
+    check_outside_runs(project / "eval-tiny-random-arc_challenge-test.json", "the default output")  # accepted
+    run = project / "runs" / "x"
+    (run / "adapters" / "round_0001").mkdir(parents=True)
+    (run / "config.toml").write_text("")
+    (run / "metrics.jsonl").write_text("")
+    for bad, folder in ((run / "partitions.json", False), (run / "adapters" / "e.json", False), (run, True),
+                        (run / "eval" / "cmp", True)):
+        with pytest.raises(ConfigError, match=f"is in the run directory {run}"):
+            check_outside_runs(bad, "--output", folder=folder)
+    check_outside_runs(run / "eval" / "e.json", "-o")  # a run's own eval/ folder: where eval writes by default
+    monkeypatch.chdir(run / "adapters")
+    cfg = load_config(**SETTINGS)
+    assert default_eval_output(cfg, Path("round_0001"), 1, "eval", "test").resolve() == \
+        (run / "eval" / "eval-round_0001-arc_challenge-test.json").resolve()

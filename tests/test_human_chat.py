@@ -212,9 +212,31 @@ def test_the_address_is_checked_before_the_server_starts():
             check_bind("127.0.0.1", port)
     check_bind("127.0.0.1", port)
     check_bind("127.0.0.1", port)  # the check's own socket is closed
-    for host in ("999.1.1.1", "192.0.2.1"):  # no such address; an address of another machine (TEST-NET-1)
-        with pytest.raises(ValueError, match=rf"--host {host}: not an address of this machine"):
-            check_bind(host, port)
+    host = "192.0.2.1"  # an address of another machine (TEST-NET-1; numeric: no name lookup)
+    with pytest.raises(ValueError, match=rf"--host {host}: not an address of this machine"):
+        check_bind(host, port)
+
+
+def test_the_address_check_skips_an_address_family_the_machine_lacks(monkeypatch):
+    """With IPv6 switched off, "localhost" may still resolve to ::1 as well, and making an IPv6 socket fails: asyncio
+    (uvicorn) skips that address and serves on 127.0.0.1, so the check skips it too instead of a traceback."""
+    from fedspear.human import chat
+
+    real = socket.socket
+
+    def no_ipv6(family=socket.AF_INET, *args, **kwargs):
+        if family == socket.AF_INET6:
+            raise OSError(97, "Address family not supported by protocol")
+        return real(family, *args, **kwargs)
+
+    both = [(socket.AF_INET6, socket.SOCK_STREAM, 6, "", ("::1", 0, 0, 0)),
+            (socket.AF_INET, socket.SOCK_STREAM, 6, "", ("127.0.0.1", 0))]
+    monkeypatch.setattr(socket, "getaddrinfo", lambda *a, **k: both)
+    monkeypatch.setattr(socket, "socket", no_ipv6)
+    chat.check_bind("localhost", 0)
+    monkeypatch.setattr(socket, "getaddrinfo", lambda *a, **k: both[:1])
+    with pytest.raises(ValueError, match="no socket of its address family can be made here"):
+        chat.check_bind("localhost", 0)
 
 
 def test_chat_command_checks_its_address_before_anything_else(tmp_path):

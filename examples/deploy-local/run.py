@@ -38,7 +38,6 @@ import socket
 import subprocess
 import sys
 import time
-import tomllib
 import uuid
 from pathlib import Path
 
@@ -47,7 +46,7 @@ try:
 except ImportError:
     raise SystemExit("this example needs the [deploy] extra: pip install 'fedspear[deploy]' (psutil)") from None
 
-from fedspear.config import ConfigError, RunConfig, unknown_keys_error
+from fedspear.config import ConfigError, RunConfig, parse_assignments, unknown_keys_error
 from fedspear.fl.certs import make_node_keys, make_server_certificates
 from fedspear.fl.node_worker import ping
 from fedspear.report import epsilon_text
@@ -237,7 +236,7 @@ def run_settings(args: argparse.Namespace) -> dict:
     for key, value in args.set:
         if key in RUN_CONFIG_OPTIONS:
             raise ConfigError(f"--set {key}: set it with {RUN_CONFIG_OPTIONS[key]}")
-        settings[key] = tomllib.loads(f"v = {toml_value(value)}")["v"]
+        settings.update(parse_assignments([f"{key}={value}"]))  # as `fedspear run --set`: a string setting stays one
     return settings
 
 
@@ -258,15 +257,6 @@ def key_value(text: str) -> tuple[str, str]:
     if not sep or not key.strip():
         raise argparse.ArgumentTypeError(f"expected KEY=VALUE, got {text!r}")
     return key.strip(), value.strip()
-
-
-def toml_value(text: str) -> str:
-    """``text`` as a TOML value: itself when it is a TOML literal (number, boolean, quoted string), else quoted."""
-    try:
-        tomllib.loads(f"v = {text}")
-        return text
-    except tomllib.TOMLDecodeError:
-        return json.dumps(text)
 
 
 def read_records(run_dir: Path) -> list[dict]:

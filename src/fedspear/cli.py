@@ -482,6 +482,7 @@ def compare(
     output = output_dir or Path("runs") / f"compare-{preset or grid_file.stem}"
     try:
         check_output(output, "--output-dir", folder=True)
+        check_outside_runs(output, "--output-dir", folder=True)
     except ConfigError as err:
         _fail(str(err))
     command = "fedspear compare " + " ".join(sys.argv[2:]) if len(sys.argv) > 2 else "fedspear compare"
@@ -544,34 +545,34 @@ def default_eval_output(cfg: RunConfig, adapter: Path | None, round_: int | None
     """Where ``fedspear eval`` writes without ``-o``: ``<run dir>/eval/<kind>-round_NNNN-<task>-<split>.json`` for an
     adapter of a run (outside ``adapters/``, which a redone round replaces), else ``./<kind>-<adapter or model
     name>-<task>-<split>.json``."""
-    if adapter is not None and round_ is not None and (adapter.parent.parent / "config.toml").is_file():
-        return adapter.parent.parent / "eval" / f"{kind}-round_{round_:04d}-{cfg.task}-{split}.json"
+    run = adapter.resolve().parent.parent if adapter is not None else None  # resolved: `eval round_0001` in adapters/
+    if run is not None and round_ is not None and (run / "config.toml").is_file():
+        return run / "eval" / f"{kind}-round_{round_:04d}-{cfg.task}-{split}.json"
     name = adapter.name if adapter is not None else Path(cfg.model).name
     return Path(f"{kind}-{name}-{cfg.task}-{split}.json")
 
 
-def check_eval_output(output: Path) -> None:
-    """``check_output`` for ``fedspear eval -o``, and refuse an existing ``config.toml`` and any place inside a run
-    directory (a folder with ``config.toml`` and something a run writes, ``rundir.RUN_FILES``) other than its
-    ``eval/`` folder: the result (and its answers file beside it) would replace the run's own records
-    (``-o runs/x/metrics.jsonl``) or sit where a run writes.
+def check_outside_runs(path: Path, what: str, *, folder: bool = False) -> None:
+    """Refuse an output ``path`` that is an existing ``config.toml`` or lies in a run directory
+    (``rundir.enclosing_run``) anywhere but under its ``eval/`` folder: written there, a result would replace the
+    run's own records (``-o runs/x/metrics.jsonl``: the resume then failed) or sit among them. ``folder``: ``path``
+    is a folder an output tree goes in (``fedspear compare -o``), refused in a run directory even under ``eval/``.
 
     Raises:
-        ConfigError: naming the path, the run directory and where to write instead.
+        ConfigError: naming ``what`` (the flag, or "the default output"), the path, the run directory and where to
+            write instead.
     """
-    from .rundir import RUN_FILES
+    from .rundir import enclosing_run
 
-    check_output(output, "-o", folder=False)
-    where = output.resolve()
-    if where.name == "config.toml" and where.exists():
-        raise ConfigError(f"-o {output} would replace a config file; give another path")
-    for folder in where.parents:
-        if (folder / "config.toml").is_file() and any((folder / name).exists() for name in RUN_FILES):
-            inside = where.relative_to(folder).parts
-            if inside[0] != "eval" or len(inside) < 2:
-                raise ConfigError(f"-o {output} is inside the run directory {folder}, where it would replace or sit "
-                                  f"among the run's own files; write it under {folder / 'eval'} or outside the run")
-            return
+    if path.name == "config.toml" and path.exists():
+        raise ConfigError(f"{what} {path} would replace a config file; give another path")
+    run = enclosing_run(path)
+    if run is None:
+        return
+    inside = path.resolve().relative_to(run).parts
+    if folder or len(inside) < 2 or inside[0] != "eval":
+        raise ConfigError(f"{what} {path} is in the run directory {run}, where it would replace or sit among the "
+                          f"run's own files; give a path outside it" + ("" if folder else f" or under {run / 'eval'}"))
 
 
 def _write_json(path: Path, value: dict) -> None:
@@ -599,8 +600,10 @@ def _eval_lm_eval(cfg: RunConfig, adapter: Path | None, round_: int | None, targ
         raise ConfigError(f"--harness lm-eval scores {cfg.task}'s {expected} split only")
     if cfg.model == TINY_MODEL:
         raise ConfigError("--harness lm-eval loads a model folder; tiny-random exists only in memory")
+    what = "-o" if output else "the default output"
     output = output or default_eval_output(cfg, adapter, round_, "lm-eval", expected)
-    check_eval_output(output)
+    check_output(output, what, folder=False)
+    check_outside_runs(output, what)
     device = resolve_device(cfg.device)
     dtype = resolve_dtype(cfg.dtype, device)
     # eval_batch_size = "auto": 32 on a CPU as fedspear's own evaluation; on a GPU lm-eval's own "auto" (the largest
@@ -658,7 +661,7 @@ def eval_target(target: Path | None, round_: int | None, config: Path | None, ov
     if (target / "adapter_model.safetensors").is_file():
         if round_ is not None:
             raise ConfigError("--round needs a run directory, not an adapter folder")
-        adapter, run = target, RunDir(target.parent.parent)
+        adapter, run = target, RunDir(target.resolve().parent.parent)  # resolved: a relative round_NNNN in adapters/
         name = target.name
         round_ = int(name.removeprefix("round_")) if name.startswith("round_") and name[6:].isdigit() else None
         if not run.config_path.is_file():  # a bare adapter: r, α, layers and base model from its own config
@@ -759,8 +762,10 @@ def eval_(
         check_model_source(cfg.model)  # a hub id that cannot be fetched: at once, not after retries
         if harness == "lm-eval":
             return _eval_lm_eval(cfg, adapter, round_, target, split, limit, output)
+        what = "-o" if output else "the default output"
         output = output or default_eval_output(cfg, adapter, round_, "eval", split or get_task(cfg.task).EVAL_SPLIT)
-        check_eval_output(output)  # before the evaluation, not after it
+        check_output(output, what, folder=False)  # before the evaluation, not after it
+        check_outside_runs(output, what)
         arrays = load_adapter_folder(adapter) if adapter is not None else None
         evaluator = Evaluator(cfg, split, limit=limit)
         answers: list[dict] = []
@@ -821,6 +826,7 @@ def bench(
         # every bad value and output path refused before minutes of measuring, not after them
         if output is not None:
             check_output(output, "--output", folder=False, example="bench.json")
+            check_outside_runs(output, "--output")
             if output.suffix in (".md", ".png"):
                 raise ValueError(f"--output {output}: the JSON goes there and the markdown (and --scaling's plot) "
                                  f"beside it, as {output.with_suffix('.md').name} (.png); give a .json path, "

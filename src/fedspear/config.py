@@ -101,7 +101,7 @@ class RunConfig:
         metadata=_meta(
             "seed for partition, client sampling, generation and training",
             min=0,
-            max=2**32 - 1,  # numpy's seeds (DP noise: fl/privacy.py) are 32-bit; torch.manual_seed takes 64
+            max=2**64 - 1,  # what torch.manual_seed takes
         ),
     )
     algorithm: str = field(
@@ -539,6 +539,7 @@ class RunConfig:
             "TESTS ONLY: seed of the DP noise. None (default) draws it from the OS's entropy every round; a seed "
             "written in config.toml makes the noise predictable and voids the guarantee",
             min=0,
+            max=2**32 - 1,  # numpy's seeds are 32-bit (fl/privacy.py: np.random.seed([seed, round]))
         ),
     )
     # what a client sends back (fedspear.fl.records)

@@ -80,6 +80,21 @@ class RunDirError(ValueError):
 #: that holds one of these is refused as output_dir (``RunDir.check_or_write_config``), so nobody's file is replaced
 RUN_FILES = frozenset({"metrics.jsonl", "adapters", "partitions.json", "report.md", "plots", "answers", "traces",
                        "progress", "tensorboard", "eval"})
+#: what tells a run directory from any folder that holds a config.toml (a user's own project folder may): the records
+#: a run writes from its first round on
+RUN_RECORDS = ("metrics.jsonl", "adapters", "partitions.json")
+
+
+def enclosing_run(path: str | Path) -> Path | None:
+    """The run directory that ``path`` is or lies in: the nearest of it and the folders above it holding a
+    ``config.toml`` and one of ``RUN_RECORDS``; None when there is none."""
+    where = Path(path).resolve()
+    for folder in (where, *where.parents):
+        if (folder / "config.toml").is_file() and any((folder / name).exists() for name in RUN_RECORDS):
+            return folder
+    return None
+
+
 RESUME_FREE_KEYS = {"output_dir", "round_timeout", "data_dir", "round0_from", "max_empty_rounds", "tensorboard",
                     "device", "keep_traces", "compile_decode", "compile_training", "eval_batch_size"}
 

@@ -181,16 +181,26 @@ def make_server_certificates(out_dir: str | Path, hosts: Iterable[str] = DEFAULT
     return paths
 
 
+#: file stems of make_server_certificates' keys → whose key it is (a SuperNode key pair of that name would replace it)
+RESERVED_NAMES = {"ca": "CA", "server": "SuperLink"}
+
+
 def check_node_name(name: str) -> None:
     """Refuse a SuperNode key name that is not a plain file name; ``fedspear certs`` checks every ``--node`` with it
     before it writes anything. Control characters are refused too: a line break in the name would split the public
     key's one line (the name is its comment).
 
+    Names ``ca`` and ``server`` are refused: ``<name>.key`` would replace the CA's or the SuperLink's private key
+    (``make_server_certificates``' files in the same folder).
+
     Raises:
-        ValueError: ``name`` is empty, contains a path separator or a control character.
+        ValueError: ``name`` is empty, contains a path separator or a control character, or is ``ca`` / ``server``.
     """
     if not name or "/" in name or os.sep in name or any(ord(c) < 32 or ord(c) == 127 for c in name):
         raise ValueError(f"a node key name must be a plain file name (got {name!r})")
+    if name in RESERVED_NAMES:
+        raise ValueError(f"a node key name cannot be {name!r}: {name}.key is the {RESERVED_NAMES[name]}'s private "
+                         "key in the same folder; give another name")
 
 
 def make_node_keys(out_dir: str | Path, name: str, overwrite: bool = False) -> NodeKeys:

@@ -211,8 +211,14 @@ def check_bind(host: str, port: int) -> None:
         addresses = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
     except socket.gaierror as err:
         raise ValueError(f"{where} ({err.strerror}); keep 127.0.0.1 or give one of its addresses") from None
+    made = 0
     for family, kind, proto, _, address in addresses:
-        with socket.socket(family, kind, proto) as sock:
+        try:
+            sock = socket.socket(family, kind, proto)
+        except OSError:  # an address family this machine lacks (IPv6 switched off): asyncio skips it too
+            continue
+        made += 1
+        with sock:
             sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
             if family == socket.AF_INET6:  # as asyncio binds it: IPv6 only, the IPv4 address has its own entry
                 sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
@@ -226,6 +232,8 @@ def check_bind(host: str, port: int) -> None:
                     raise ValueError(f"--port {port}: not allowed to listen there ({err.strerror}); give a port "
                                      "above 1023") from None
                 raise ValueError(f"{where} ({err.strerror}); keep 127.0.0.1 or give one of its addresses") from None
+    if not made:
+        raise ValueError(f"{where} (no socket of its address family can be made here); keep 127.0.0.1")
 
 
 def serve(store_path: str | Path, responder: ChatModel, *, max_revisions: int = 2, host: str = "127.0.0.1",

@@ -133,9 +133,8 @@ def nothing_to_install(name: str) -> str | None:
         try:
             gguf = packaged_gguf(name)
         except ModelError as err:
-            raise ModelError(f"{name} is the packaged default model, installed with fedspear, not by "
-                             f"`fedspear models install`: {err}") from None
-        return f"{name} is the packaged default model, already installed with fedspear ({gguf}); nothing to install"
+            raise ModelError(f"{name} is the packaged default model, not an opt-in one: {err}") from None
+        return f"{name} is the packaged default model, already installed ({gguf}); nothing to install"
     if name == TINY_MODEL:
         return f"{name} is built in (made in memory when a command uses it); nothing to install"
     if name not in SPLIT_MODELS:

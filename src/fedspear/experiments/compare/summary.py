@@ -13,7 +13,7 @@ from ...config import ConfigError
 from ...report import epsilon_text
 from ...health import fmt_count, label_counts
 from ...rundir import RunDir, RunDirError, initial_accuracy, initial_samples, training_seconds
-from .grid import NAMES, Cell, Grid, saved_difference
+from .grid import NAMES, Cell, Grid, pinned, saved_difference
 from .plots import plot_comparison
 from .stats import item_mean_ci, item_paired_diff, mean_std, paired_ci, paired_gain
 
@@ -136,8 +136,17 @@ def check_summarisable(grid: Grid, output: Path) -> None:
         raise RunDirError(f"{output}: no comparison to summarise (no grid.toml, no cells/); run the grid there "
                           f"without --summary-only first")
     if differs and differs[1]:
-        raise RunDirError(f"{output} holds another grid (differs in: {', '.join(differs[1])}); --summary-only "
-                          f"summarises the grid its cells ran (its grid.toml): give the same options")
+        saved, now = differs[0], pinned(grid).to_dict()
+        details = []
+        for key in differs[1]:
+            if key == "base":  # name the settings and their values: a grid.toml from before a key existed reads as
+                details += [f"base.{k}: saved {saved['base'].get(k)!r} vs now {now['base'].get(k)!r}"  # its old
+                            for k in sorted(set(saved["base"]) | set(now["base"]))  # default (partitioner)
+                            if saved["base"].get(k) != now["base"].get(k)]
+            else:
+                details.append(f"{key}: saved {saved.get(key)!r} vs now {now.get(key)!r}")
+        raise RunDirError(f"{output} holds another grid ({'; '.join(details)}); --summary-only summarises the grid "
+                          "its cells ran (its grid.toml): give the same options (--set key=value for a base setting)")
 
 
 def summarise(grid: Grid, output: Path, command: str = "", started: str = "") -> Path:

@@ -217,13 +217,14 @@ def test_every_help_text_survives_rich_markup():
 
 
 def test_help_shows_brackets_and_positional_arguments():
-    """``eval --harness`` keeps "extra [harness]", ``compare --grid`` its "[axes], [base]", and each positional
-    argument's help is printed (typer 0.20 under click 8.5 dropped it; ``fedspear.cli._keep_argument_help``)."""
+    """``eval --harness`` keeps "extra [harness]", ``compare --grid`` its "[axes], [base], [per_task.<task>]", and
+    each positional argument's help is printed (typer 0.20 under click 8.5 dropped it;
+    ``fedspear.cli._keep_argument_help``)."""
     wide = {"COLUMNS": "250"}
     out, _ = _cli("eval", "--help", env=wide)
     assert "extra [harness])" in out.stdout
     assert "a run directory (its last round's adapter)" in out.stdout
-    assert "seeds, [axes], [base])" in _cli("compare", "--help", env=wide)[0].stdout
+    assert "note, [axes], [base], [per_task.<task>])" in _cli("compare", "--help", env=wide)[0].stdout
     assert "an opt-in model, e.g. qwen2.5-coder-1.5b" in _cli("models", "install", "--help", env=wide)[0].stdout
     assert "folder for ca.pem" in _cli("certs", "--help", env=wide)[0].stdout
 

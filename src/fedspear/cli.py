@@ -552,6 +552,21 @@ def default_eval_output(cfg: RunConfig, adapter: Path | None, round_: int | None
     return Path(f"{kind}-{name}-{cfg.task}-{split}.json")
 
 
+def eval_output(output: Path | None, cfg: RunConfig, adapter: Path | None, round_: int | None, kind: str,
+                split: str) -> Path:
+    """The file ``fedspear eval`` writes: ``output`` (``-o``) or ``default_eval_output``, checked
+    (``check_output``, ``check_outside_runs``).
+
+    Raises:
+        ConfigError: the path cannot be written or lies among a run's files (names ``-o`` or "the default output").
+    """
+    what = "-o" if output else "the default output"
+    output = output or default_eval_output(cfg, adapter, round_, kind, split)
+    check_output(output, what, folder=False)
+    check_outside_runs(output, what)
+    return output
+
+
 def check_outside_runs(path: Path, what: str, *, folder: bool = False) -> None:
     """Refuse an output ``path`` that is an existing ``config.toml`` or lies in a run directory
     (``rundir.enclosing_run``) anywhere but under its ``eval/`` folder: written there, a result would replace the
@@ -600,10 +615,7 @@ def _eval_lm_eval(cfg: RunConfig, adapter: Path | None, round_: int | None, targ
         raise ConfigError(f"--harness lm-eval scores {cfg.task}'s {expected} split only")
     if cfg.model == TINY_MODEL:
         raise ConfigError("--harness lm-eval loads a model folder; tiny-random exists only in memory")
-    what = "-o" if output else "the default output"
-    output = output or default_eval_output(cfg, adapter, round_, "lm-eval", expected)
-    check_output(output, what, folder=False)
-    check_outside_runs(output, what)
+    output = eval_output(output, cfg, adapter, round_, "lm-eval", expected)
     device = resolve_device(cfg.device)
     dtype = resolve_dtype(cfg.dtype, device)
     # eval_batch_size = "auto": 32 on a CPU as fedspear's own evaluation; on a GPU lm-eval's own "auto" (the largest
@@ -762,10 +774,8 @@ def eval_(
         check_model_source(cfg.model)  # a hub id that cannot be fetched: at once, not after retries
         if harness == "lm-eval":
             return _eval_lm_eval(cfg, adapter, round_, target, split, limit, output)
-        what = "-o" if output else "the default output"
-        output = output or default_eval_output(cfg, adapter, round_, "eval", split or get_task(cfg.task).EVAL_SPLIT)
-        check_output(output, what, folder=False)  # before the evaluation, not after it
-        check_outside_runs(output, what)
+        # checked before the evaluation, not after it
+        output = eval_output(output, cfg, adapter, round_, "eval", split or get_task(cfg.task).EVAL_SPLIT)
         arrays = load_adapter_folder(adapter) if adapter is not None else None
         evaluator = Evaluator(cfg, split, limit=limit)
         answers: list[dict] = []

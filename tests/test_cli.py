@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import shutil
+from pathlib import Path
 
 import pytest
 from typer.testing import CliRunner
@@ -278,10 +279,12 @@ def test_bench_scaling_quick_measures_every_axis(tmp_path):
 
 @pytest.mark.parametrize("command", [["compare", "--preset", "tiny", "--output-dir", "{run}"],
                                      ["bench", "--model", "tiny-random", "--quick", "--no-round", "--output",
-                                      "{run}/partitions.json"]])
+                                      "{run}/partitions.json"],
+                                     ["bench", "--model", "tiny-random", "--quick", "--no-round", "--results-dir",
+                                      "{run}"]])
 def test_outputs_of_other_commands_stay_out_of_a_run_directory(tmp_path, command):
     """`fedspear compare -o <run>` wrote grid.toml, cells/ and plots/ among the run's files; `bench --output
-    <run>/partitions.json` replaced the run's partitions."""
+    <run>/partitions.json` replaced the run's partitions; `bench --results-dir <run>` put its files among them."""
     run = tmp_path / "run"
     run.mkdir()
     for name, text in (("config.toml", ""), ("metrics.jsonl", ""), ("partitions.json", "{}")):
@@ -291,3 +294,45 @@ def test_outputs_of_other_commands_stay_out_of_a_run_directory(tmp_path, command
     assert f"is in the run directory {run}" in result.output
     assert sorted(p.name for p in run.iterdir()) == ["config.toml", "metrics.jsonl", "partitions.json"]
     assert (run / "partitions.json").read_text() == "{}"
+
+
+def test_a_tilde_in_a_path_is_the_home_folder(tmp_path, monkeypatch):
+    """`-o '~/x'` (quoted, or in a TOML file or --set, where no shell expands it) made a folder named `~` in the
+    working folder; path settings and path options now expand it as a shell would."""
+    from fedspear.config import RunConfig, load_config
+
+    home, work = tmp_path / "home", tmp_path / "work"
+    home.mkdir(), work.mkdir()
+    monkeypatch.setenv("HOME", str(home))
+    monkeypatch.chdir(work)
+    assert RunConfig(output_dir="~/runs/x").output_dir == str(home / "runs" / "x")
+    assert RunConfig(data_dir="~/data").data_dir == str(home / "data")
+    assert RunConfig(round0_from="~/runs/lender").round0_from == str(home / "runs" / "lender")
+    (work / "my.toml").write_text('output_dir = "~/runs/y"\n')
+    assert load_config(work / "my.toml").output_dir == str(home / "runs" / "y")
+    result = runner.invoke(app, ["certs", "~/deploy", "--host", "127.0.0.1"])
+    assert result.exit_code == 0, result.output
+    assert (home / "deploy" / "ca.pem").is_file() and list(work.iterdir()) == [work / "my.toml"]
+
+
+def test_a_resume_into_folders_it_cannot_write_is_refused_before_the_round(tmp_path, monkeypatch):
+    """A resumed run whose adapters/ (or metrics.jsonl) cannot be written failed with a PermissionError traceback
+    after a round's work; preflight now refuses it. (Permission bits do not bind root, so os.access is made to say
+    what it says on a read-only folder.)"""
+    import os
+
+    from fedspear.cli import preflight
+    from fedspear.config import RunConfig
+
+    run = tmp_path / "run"
+    cfg = RunConfig(model="tiny-random", output_dir=str(run))
+    preflight(cfg)
+    (run / "adapters").mkdir()
+    (run / "metrics.jsonl").write_text("")
+    real = os.access
+    for locked in (run / "adapters", run / "metrics.jsonl"):
+        monkeypatch.setattr(os, "access", lambda p, mode, locked=locked: Path(p) != locked and real(p, mode))
+        with pytest.raises(ConfigError, match=f"{locked}.*(cannot write|read-only)"):
+            preflight(cfg)
+    monkeypatch.setattr(os, "access", real)
+    preflight(cfg)

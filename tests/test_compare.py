@@ -285,8 +285,19 @@ def test_compare_two_cells_end_to_end_and_resume(tmp_path):
     other = subprocess.run(cmd + ["--seeds", "5"], capture_output=True, text=True, timeout=600)
     assert other.returncode == 2 and "holds another grid" in other.stderr
 
-    # a cell's damaged record before its last line ends --summary-only with the file and line, not a traceback
+    # an interrupted cell is named and left out of the tables, not summarised from its last evaluation as final
     metrics = out / "cells" / "arc_challenge-grpo-s0" / "metrics.jsonl"
+    whole = metrics.read_text()
+    metrics.write_text(whole.splitlines(keepends=True)[0])  # stopped after round 0
+    cut = subprocess.run(cmd + ["--summary-only"], capture_output=True, text=True, timeout=300)
+    assert cut.returncode == 0, cut.stderr[-3000:]
+    text = (out / "comparison.md").read_text()
+    assert "**Not finished, left out of every table:** arc_challenge-grpo-s0 (round 0 of 1)." in text
+    assert "| GRPO | – | – |" in text and "| SPEAR | – | – |" not in text
+    assert {c["algorithm"] for c in json.loads((out / "comparison.json").read_text())["cells"]} == {"spear"}
+    metrics.write_text(whole)
+
+    # a cell's damaged record before its last line ends --summary-only with the file and line, not a traceback
     lines = metrics.read_text().splitlines(keepends=True)
     metrics.write_text("{damaged\n" + "".join(lines[1:]))
     damaged = subprocess.run(cmd + ["--summary-only"], capture_output=True, text=True, timeout=300)

@@ -106,6 +106,18 @@ def test_adapter_folder_and_round_option_pick_that_adapter(run_dir, tmp_path):
         shutil.rmtree(path / "adapters" / "round_0004")
 
 
+def test_an_adapter_folder_named_from_inside_it_is_that_round(run_dir, tmp_path, monkeypatch):
+    """`fedspear eval .` inside adapters/round_0002 read the name of `.` (empty): no round, and a default output
+    refused as lying in the run; now it is round 2, as by its absolute path."""
+    path, expected = run_dir
+    monkeypatch.chdir(path / "adapters" / "round_0002")
+    out = tmp_path / "dot.json"
+    result = _eval(".", "-o", out)
+    assert result.exit_code == 0, result.output
+    saved = json.loads(out.read_text())
+    assert saved["round"] == 2 and _strip(saved["metrics"]) == _strip(expected[2][0])
+
+
 def test_base_model_and_overrides(run_dir, tmp_path):
     path, expected = run_dir
     out = tmp_path / "base.json"
@@ -295,4 +307,7 @@ def test_only_a_run_directory_keeps_outputs_out(tmp_path, monkeypatch):
     monkeypatch.chdir(run / "adapters")
     cfg = load_config(**SETTINGS)
     assert default_eval_output(cfg, Path("round_0001"), 1, "eval", "test").resolve() == \
+        (run / "eval" / "eval-round_0001-arc_challenge-test.json").resolve()
+    monkeypatch.chdir(run / "adapters" / "round_0001")  # `fedspear eval .` from inside the round's folder
+    assert default_eval_output(cfg, Path("."), 1, "eval", "test").resolve() == \
         (run / "eval" / "eval-round_0001-arc_challenge-test.json").resolve()

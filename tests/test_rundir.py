@@ -154,3 +154,58 @@ def test_training_seconds_leave_out_the_central_evaluation():
     assert training_seconds({"seconds": {"round": 1000.0, "evaluate": 874.0, "train": 90.0}}) == 126.0
     assert training_seconds({"seconds": {"round": 109.5, "evaluate": 0.0}}) == 109.5
     assert training_seconds({"seconds": {"round": 74.0}}) == 74.0
+
+
+def test_reading_a_torn_last_line_leaves_the_file_as_it_is(tmp_path):
+    """``records()`` without ``repair`` (fedspear eval, summaries) leaves the torn line out and writes nothing, so a
+    read-only run stays readable; the resume (``verify``) repairs it."""
+    run = _run(tmp_path)
+    with run.metrics_path.open("a") as fh:
+        fh.write('{"round": 3, "lo')
+    text = run.metrics_path.read_text()
+    assert [r["round"] for r in run.records()] == [0, 1, 2] and run.last_round() == 2
+    assert run.metrics_path.read_text() == text
+    assert run.verify() == 2 and run.metrics_path.read_text() == text[:text.rindex("\n") + 1]
+
+
+@pytest.mark.parametrize("kept", [0, 1])
+def test_adapters_saved_after_the_rounds_recorded_are_refused(tmp_path, kept):
+    """metrics.jsonl lost records (deleted, or cut by hand after a damaged line) while the adapters of later rounds
+    stay: resuming would redo those rounds over them (under DP counting fewer noised releases than were saved), so
+    it is refused and nothing is changed. Round ``last + 1`` alone is a round saved but not recorded (a kill between
+    the two writes): that one is redone."""
+    run = _run(tmp_path)
+    lines = run.metrics_path.read_text().splitlines(keepends=True)
+    run.metrics_path.write_text("".join(lines[:kept]))
+    before = sorted(p.relative_to(run.path) for p in run.path.rglob("*"))
+    expected = (r"round\(s\) 1, 2, but metrics.jsonl records no round: .*delete round_0001 " if kept == 0 else
+                r"round\(s\) 2, but the last round metrics.jsonl records is 0: .*delete round_0002 ")
+    with pytest.raises(RunDirError, match=r"adapters are saved for " + expected + "and the adapter folders after it"):
+        run.verify()
+    assert sorted(p.relative_to(run.path) for p in run.path.rglob("*")) == before
+    assert run.metrics_path.read_text() == "".join(lines[:kept])
+    run.metrics_path.write_text("".join(lines[:2]))  # round 2 saved, not recorded: redone on resume
+    assert run.verify() == 1
+
+
+def test_a_fedadam_run_resumes_only_with_its_optimiser_state(tmp_path):
+    """FedAdam / FedYogi keep their moments beside each round's adapter: missing after round 0 (round 0 has none),
+    the resume would restart them at zero, and a damaged file is named; FedAvg needs none."""
+    run = RunDir(tmp_path / "run")
+    cfg = RunConfig(strategy="fedadam").resolved()
+    run.check_or_write_config(cfg)
+    run.save_adapter(0, A, {"r": 16})
+    run.append({"round": 0})
+    assert run.verify(cfg) == 0  # no state before the first update
+    state = {"step": np.asarray([1], dtype=np.int64), "m/x": np.zeros(2), "v/x": np.zeros(2)}
+    run.save_adapter(1, A, {"r": 16}, server_state=state)
+    run.append({"round": 1})
+    assert run.verify(cfg) == 1 and set(run.load_server_state(1)) == set(state)
+    path = run.adapter_dir(1) / "server_state.safetensors"
+    path.write_bytes(path.read_bytes()[:20])
+    with pytest.raises(RunDirError, match="server_state.safetensors: server-optimiser state unreadable"):
+        run.verify(cfg)
+    path.unlink()
+    with pytest.raises(RunDirError, match="server_state.safetensors: missing; a fedadam run cannot resume"):
+        run.verify(cfg)
+    assert run.verify(RunConfig().resolved()) == 1 and run.verify() == 1

@@ -39,6 +39,14 @@ def _keep_argument_help() -> None:
 
 
 _keep_argument_help()
+
+
+def _user_path(value: Path | None) -> Path | None:
+    """A path option's value with a leading ``~`` expanded, as a shell does unquoted (``-o '~/runs/x'`` would
+    otherwise make a folder named ``~``); the callback of every path option and argument."""
+    return value.expanduser() if value is not None else None
+
+
 app = typer.Typer(add_completion=False, pretty_exceptions_show_locals=False, no_args_is_help=True,
                   help="Online federated fine-tuning from feedback (SPEAR).")
 
@@ -216,13 +224,22 @@ def preflight(cfg: RunConfig) -> None:
         DataError / ModelError / ValueError: with a message naming the file or model.
     """
     import importlib.util
+    import os
 
     from .tasks import empty_split_error, get_task, load_split
     from .runtime.model import resolve_device
-    from .rundir import RunDir
+    from .rundir import RUN_FILES, RunDir
 
     check_output(cfg.output_dir, "output_dir", folder=True)
     run = RunDir(cfg.output_dir)
+    # a resumed run writes into the folders and files it made: refused now, not after a round's work
+    for name in sorted(RUN_FILES):
+        written = run.path / name
+        if written.is_dir():
+            check_output(written, "output_dir", folder=True)
+        elif written.is_file() and not os.access(written, os.W_OK):
+            raise ConfigError(f"output_dir {run.path}: cannot write {written} (read-only file system or no "
+                              "permission); nothing was changed")
     # round0_from is checked until round 0 is recorded: a resume no longer reads it
     if cfg.round0_from and not run.metrics_path.exists() and not RunDir(cfg.round0_from).config_path.is_file():
         raise ConfigError(f"round0_from {cfg.round0_from}: not a fedspear run directory (no config.toml); give the "
@@ -264,12 +281,13 @@ def preflight(cfg: RunConfig) -> None:
         if importlib.util.find_spec("tensorboard") is None:
             raise ConfigError(INSTALL_HINT)
     run.check_or_write_config(cfg.resolved())
-    run.verify()
+    run.verify(cfg)
 
 
 @app.command()
 def run(
-    config: Optional[Path] = typer.Option(None, "--config", "-c", help="TOML file with any run keys"),
+    config: Optional[Path] = typer.Option(None, "--config", "-c", callback=_user_path,
+                                          help="TOML file with any run keys"),
     preset: Optional[str] = typer.Option(None, help="paper: the paper's appendix tables for the task and algorithm "
                                          "(fedspear.paper_settings); --config, flags and --set override it"),
     task: Optional[str] = typer.Option(None, help="arc_challenge | hellaswag | strategy_qa | math_mcqa"),
@@ -445,7 +463,8 @@ def _run(cfg: RunConfig, verbose: bool) -> None:
 def compare(
     preset: Optional[str] = typer.Option(None, help="a built-in grid: cpu-small | cpu-qwen1.5b | cpu-qwen1.5b-sqa | "
                                          "paper | tiny"),
-    grid_file: Optional[Path] = typer.Option(None, "--grid", help="TOML grid (tasks, algorithms, seeds, settings, "
+    grid_file: Optional[Path] = typer.Option(None, "--grid", callback=_user_path,
+                                             help="TOML grid (tasks, algorithms, seeds, settings, "
                                              "note, \\[axes], \\[base], \\[per_task.<task>])"),
     tasks: Optional[str] = typer.Option(None, help="comma-separated tasks (overrides the preset's)"),
     algorithms: Optional[str] = typer.Option(None, help="comma-separated algorithms (overrides the preset's)"),
@@ -454,7 +473,8 @@ def compare(
                                    "is refused with the list of those that can: "
                                    "fedspear.experiments.compare.grid.AXES)"),
     set_: list[str] = typer.Option([], "--set", help="a setting every cell shares: --set rounds=5"),
-    output_dir: Optional[Path] = typer.Option(None, "--output-dir", "-o", help="where cells and the summary go "
+    output_dir: Optional[Path] = typer.Option(None, "--output-dir", "-o", callback=_user_path,
+                                              help="where cells and the summary go "
                                               "(default runs/compare-<preset>)"),
     summary_only: bool = typer.Option(False, "--summary-only", help="only (re)write comparison.md from finished cells"),
     verbose: bool = typer.Option(False, "--verbose", "-v", help="Flower and Ray logs into each cell's log.txt"),
@@ -548,7 +568,7 @@ def default_eval_output(cfg: RunConfig, adapter: Path | None, round_: int | None
     run = adapter.resolve().parent.parent if adapter is not None else None  # resolved: `eval round_0001` in adapters/
     if run is not None and round_ is not None and (run / "config.toml").is_file():
         return run / "eval" / f"{kind}-round_{round_:04d}-{cfg.task}-{split}.json"
-    name = adapter.name if adapter is not None else Path(cfg.model).name
+    name = adapter.resolve().name if adapter is not None else Path(cfg.model).name
     return Path(f"{kind}-{name}-{cfg.task}-{split}.json")
 
 
@@ -674,7 +694,7 @@ def eval_target(target: Path | None, round_: int | None, config: Path | None, ov
         if round_ is not None:
             raise ConfigError("--round needs a run directory, not an adapter folder")
         adapter, run = target, RunDir(target.resolve().parent.parent)  # resolved: a relative round_NNNN in adapters/
-        name = target.name
+        name = target.resolve().name  # resolved: `eval .` inside the round's folder
         round_ = int(name.removeprefix("round_")) if name.startswith("round_") and name[6:].isdigit() else None
         if not run.config_path.is_file():  # a bare adapter: r, α, layers and base model from its own config
             try:
@@ -702,8 +722,9 @@ def eval_target(target: Path | None, round_: int | None, config: Path | None, ov
         if round_ is None:  # the last completed round (an adapter saved after it belongs to a round to be redone)
             round_ = run.last_round()
             if round_ not in saved:
-                raise RunDirError(f"{target}: no completed round with a saved adapter (metrics.jsonl ends at round "
-                                  f"{round_}; saved adapters: {saved[0]}…{saved[-1]}); use --round")
+                ends = "records no round" if round_ is None else f"ends at round {round_}"
+                raise RunDirError(f"{target}: no completed round with a saved adapter (metrics.jsonl {ends}; saved "
+                                  f"adapters: {saved[0]}…{saved[-1]}); use --round")
         elif round_ not in saved:
             raise RunDirError(f"{target}: no adapter saved for round {round_} (saved: {saved[0]}…{saved[-1]})")
         adapter = run.adapter_dir(round_)
@@ -722,10 +743,12 @@ def eval_target(target: Path | None, round_: int | None, config: Path | None, ov
 @app.command("eval")
 @stoppable()
 def eval_(
-    target: Optional[Path] = typer.Argument(None, help="a run directory (its last round's adapter), an adapter folder "
+    target: Optional[Path] = typer.Argument(None, callback=_user_path,
+                                            help="a run directory (its last round's adapter), an adapter folder "
                                             "(runs/x/adapters/round_NNNN), or nothing: the base model"),
     round_: Optional[int] = typer.Option(None, "--round", help="with a run directory: this round's adapter"),
     config: Optional[Path] = typer.Option(None, "--config", "-c",
+                                          callback=_user_path,
                                           help="TOML file with run keys (base model or bare adapter)"),
     task: Optional[str] = typer.Option(None, help="arc_challenge | hellaswag | strategy_qa | math_mcqa "
                                        "(default: the run's)"),
@@ -736,7 +759,8 @@ def eval_(
     eval_size: Optional[int] = typer.Option(None, help="items scored (0 = the whole split; default: the run's)"),
     eval_gen_size: Optional[int] = typer.Option(None, help="of those, items also answered by generation (0 = all)"),
     set_: list[str] = typer.Option([], "--set", help="any other run key: --set max_new_tokens=512"),
-    output: Optional[Path] = typer.Option(None, "--output", "-o", help="JSON file to write (default: <run dir>/eval/ "
+    output: Optional[Path] = typer.Option(None, "--output", "-o", callback=_user_path,
+                                          help="JSON file to write (default: <run dir>/eval/ "
                                           "for a run's adapter, else ./eval-<adapter or model>-<task>-<split>.json)"),
     harness: str = typer.Option("fedspear", help="fedspear (a run's own evaluation) | lm-eval "
                                 "(lm-evaluation-harness's own arc_challenge / hellaswag configs on the shipped data, "
@@ -814,8 +838,10 @@ def bench(
     compile_training: str = typer.Option("off", "--compile-training", help="on | off: also time training with the "
                                          "forward and backward compiled, as compile_training = on trains"),
     as_json: bool = typer.Option(False, "--json", help="print JSON instead of tables"),
-    output: Optional[Path] = typer.Option(None, help="also write the JSON here (and a .md beside it)"),
-    results_dir: Optional[Path] = typer.Option(None, "--results-dir", help="also write <dir>/<machine kind>-<model>-"
+    output: Optional[Path] = typer.Option(None, callback=_user_path,
+                                          help="also write the JSON here (and a .md beside it)"),
+    results_dir: Optional[Path] = typer.Option(None, "--results-dir", callback=_user_path,
+                                               help="also write <dir>/<machine kind>-<model>-"
                                                "<dtype>[-scaling].json and .md (e.g. docs/results/bench)"),
     scaling: bool = typer.Option(False, "--scaling", help="instead: how a round's cost grows with rollouts, "
                                  "revisions, new tokens and clients (3+ sizes each; ≈ 15 min); with --output also "
@@ -847,6 +873,7 @@ def bench(
                                      "which is a folder; give another --output")
         if results_dir is not None:
             check_output(results_dir, "--results-dir", folder=True)
+            check_outside_runs(results_dir, "--results-dir", folder=True)
         resolve_dtype(dtype, device)
         for flag, value, allowed in (("--gradient-checkpointing", gradient_checkpointing, ("auto", "on", "off")),
                                      ("--compile-decode", compile_decode, COMPILE_DECODE),
@@ -883,9 +910,9 @@ def bench(
 @stoppable()
 def chat(
     traces: Path = typer.Option(Path("node/traces.db"), "--traces",
-                                help="the node's trace store (SQLite; created if missing)"),
+                                callback=_user_path, help="the node's trace store (SQLite; created if missing)"),
     model: str = typer.Option("smollm2-135m", help="packaged name, local folder or hub id"),
-    adapter: Optional[Path] = typer.Option(None, help="a peft adapter folder to answer with "
+    adapter: Optional[Path] = typer.Option(None, callback=_user_path, help="a peft adapter folder to answer with "
                                            "(e.g. the federation's latest round)"),
     dtype: str = typer.Option("auto", help="auto | bf16 | fp32"),
     max_revisions: int = typer.Option(2, "--max-revisions", "-n", min=0, max=10,
@@ -917,7 +944,8 @@ def chat(
 
 @app.command()
 def certs(
-    out_dir: Path = typer.Argument(..., help="folder for ca.pem, server.pem/.key and <node>.key/.pub"),
+    out_dir: Path = typer.Argument(..., callback=_user_path,
+                                   help="folder for ca.pem, server.pem/.key and <node>.key/.pub"),
     host: list[str] = typer.Option([], "--host", help="an address the SuperLink is reached at (repeat; 127.0.0.1 "
                                                         "and localhost are always included)"),
     node: list[str] = typer.Option([], "--node", help="make an authentication key pair for this SuperNode (repeat)"),
@@ -950,7 +978,8 @@ def certs(
 @stoppable()
 def node_worker(
     address: str = typer.Option("127.0.0.1:9301", help="loopback host:port to listen on"),
-    key_file: Path = typer.Option(..., help="shared key file (created, mode 0600, if missing); the SuperNode's "
+    key_file: Path = typer.Option(..., callback=_user_path,
+                                  help="shared key file (created, mode 0600, if missing); the SuperNode's "
                                             "node config names it as worker-key"),
 ) -> None:
     """Hold the base model for one SuperNode across rounds (its ClientApp sends each round here)."""

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 import re
 import tomllib
 from dataclasses import dataclass, field, fields
@@ -625,6 +626,7 @@ class RunConfig:
         metadata=_meta(
             "run directory whose round-0 evaluation is reused when model, task, data and evaluation settings match "
             "and both start adapters are the identity (LoRA B = 0); `fedspear compare` sets it",
+            path=True,
         ),
     )
     eval_generation: bool = field(
@@ -713,6 +715,10 @@ class RunConfig:
     def __post_init__(self) -> None:
         for f in fields(self):
             _check(f, getattr(self, f.name))
+            value = getattr(self, f.name)
+            if f.metadata.get("path") and isinstance(value, str) and value.startswith("~"):
+                # as a shell would: a TOML file or --set passes "~/runs/x" to no shell
+                setattr(self, f.name, os.path.expanduser(value))
         if self.clients_per_round > self.num_clients:
             raise ConfigError(
                 f"clients_per_round = {self.clients_per_round} exceeds num_clients = {self.num_clients}"

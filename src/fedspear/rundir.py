@@ -83,6 +83,8 @@ RUN_FILES = frozenset({"metrics.jsonl", "adapters", "partitions.json", "report.m
 #: what tells a run directory from any folder that holds a config.toml (a user's own project folder may): the records
 #: a run writes from its first round on
 RUN_RECORDS = ("metrics.jsonl", "adapters", "partitions.json")
+#: the server optimiser's state (FedAdam / FedYogi moments) beside each round's adapter
+SERVER_STATE = "server_state.safetensors"
 
 
 def enclosing_run(path: str | Path) -> Path | None:
@@ -207,12 +209,14 @@ class RunDir:
         _atomic_write(self.path / name, json.dumps(_clean(value), indent=1) + "\n")
 
     # -- metrics --------------------------------------------------------------------------------------------------
-    def records(self) -> list[dict[str, Any]]:
+    def records(self, repair: bool = False) -> list[dict[str, Any]]:
         """Completed round records in order (blank lines are skipped).
 
-        A torn last line (the process died while writing it) is dropped, the file repaired and a warning logged that
-        names the file, the line and the round that will be redone. A last line that is whole but lacks its newline
-        gets one (the next record would otherwise be glued to it).
+        A torn last line (the process died while writing it) is left out. With ``repair`` (a resume: ``verify``) it
+        is also dropped from the file, with a warning that names the file, the line and the round that will be
+        redone, and a last line that is whole but lacks its newline gets one (the next record would otherwise be
+        glued to it); without it the file is only read (``fedspear eval``, summaries: a read-only run stays
+        readable, and a run being written is not raced).
 
         Raises:
             RunDirError: a line other than the last cannot be read. Nothing is rewritten then: the message names the
@@ -232,13 +236,14 @@ class RunDir:
             except ValueError as err:  # json.JSONDecodeError is a ValueError
                 if i + 1 < len(numbered):
                     raise RunDirError(damaged_line_message(self.metrics_path, n, err, len(numbered) - i - 1)) from None
-                log.warning("%s, line %d: torn last line dropped (the run stopped while writing it; round %s will be "
-                            "redone on resume)", self.metrics_path, n, records[-1].get("round", -1) + 1 if records
-                            else 0)
-                _atomic_write(self.metrics_path, "".join(l + "\n" for _, l in numbered[:i]))
+                if repair:
+                    log.warning("%s, line %d: torn last line dropped (the run stopped while writing it; round %s will "
+                                "be redone on resume)", self.metrics_path, n, records[-1].get("round", -1) + 1
+                                if records else 0)
+                    _atomic_write(self.metrics_path, "".join(l + "\n" for _, l in numbered[:i]))
                 return records
             records.append(record)
-        if text and not text.endswith("\n"):  # whole, but the newline was not written
+        if repair and text and not text.endswith("\n"):  # whole, but the newline was not written
             _atomic_write(self.metrics_path, "".join(l + "\n" for _, l in numbered))
         return records
 
@@ -250,13 +255,16 @@ class RunDir:
             fh.flush()
             os.fsync(fh.fileno())
 
-    def verify(self) -> int | None:
+    def verify(self, cfg: RunConfig | None = None) -> int | None:
         """Check that the directory can be resumed; repair what is safe to repair. Returns the last completed round.
 
         Repairs: a torn last metrics line (dropped with a warning: that round is redone), leftover ``*.tmp`` files
-        and folders. Refuses (``RunDirError``): an unreadable metrics line before the last (``records``), rounds in
-        metrics.jsonl that are not 0, 1, 2, … in order, or a missing or unreadable adapter for the last completed
-        round.
+        and folders. Refuses (``RunDirError``, before anything is repaired but the ``*.tmp`` leftovers): an
+        unreadable metrics line before the last (``records``), rounds in metrics.jsonl that are not 0, 1, 2, … in
+        order, a missing or unreadable adapter for the last completed round, adapters saved for rounds after the
+        one that follows it (metrics.jsonl lost records: resuming would redo those rounds over them, and under DP
+        count fewer noised releases than left the server), and, when ``cfg`` runs FedAdam or FedYogi, a missing or
+        unreadable server-optimiser state for the last round after round 0 (the moments would restart at zero).
         """
         for tmp in list(self.path.glob("*.tmp")) + list((self.path / "adapters").glob("*.tmp")):
             shutil.rmtree(tmp, ignore_errors=True) if tmp.is_dir() else tmp.unlink(missing_ok=True)
@@ -265,13 +273,28 @@ class RunDir:
         if rounds != list(range(len(rounds))):
             raise RunDirError(f"{self.metrics_path}: rounds {rounds[:8]} are not 0, 1, 2, … in order; "
                               "the run directory was edited or mixed with another run; use a new --output-dir")
+        last = rounds[-1] if rounds else None
+        beyond = [r for r in self.saved_rounds() if r > (-1 if last is None else last) + 1]
+        if beyond:
+            recorded = f"the last round metrics.jsonl records is {last}" if last is not None else \
+                "metrics.jsonl records no round"
+            raise RunDirError(
+                f"{self.path}: adapters are saved for round(s) {', '.join(map(str, beyond))}, but {recorded}: "
+                f"metrics.jsonl lost records; nothing was changed. Restore its lines (from a backup) and re-run to "
+                f"resume; a run without dp may instead redo those rounds: delete "
+                f"{self.adapter_dir(beyond[0]).name} and the adapter folders after it, then re-run")
+        records = self.records(repair=True)
         if not records:
             return None
         try:
-            self.load_adapter(rounds[-1])
+            self.load_adapter(last)
         except (FileNotFoundError, OSError, ValueError) as err:
-            raise RunDirError(f"{self.path}: cannot resume after round {rounds[-1]}: {err}") from None
-        return rounds[-1]
+            raise RunDirError(f"{self.path}: cannot resume after round {last}: {err}") from None
+        if cfg is not None and cfg.strategy in ("fedadam", "fedyogi") and last:
+            if self.load_server_state(last) is None:
+                raise RunDirError(f"{self.adapter_dir(last) / SERVER_STATE}: missing; a {cfg.strategy} run cannot "
+                                  "resume without its server-optimiser state (its moments would restart at zero)")
+        return last
 
     def last_round(self) -> int | None:
         """The last completed round (0 = initial evaluation done), or None for a new run."""
@@ -321,8 +344,7 @@ class RunDir:
         tmp.mkdir(parents=True)
         save_file({k: np.ascontiguousarray(v) for k, v in arrays.items()}, str(tmp / "adapter_model.safetensors"))
         if server_state:
-            save_file({k: np.ascontiguousarray(v) for k, v in server_state.items()},
-                      str(tmp / "server_state.safetensors"))
+            save_file({k: np.ascontiguousarray(v) for k, v in server_state.items()}, str(tmp / SERVER_STATE))
         for name, value in (json_state or {}).items():
             (tmp / name).write_text(json.dumps(value, indent=1), encoding="utf-8")
         if peft_config is not None:
@@ -332,11 +354,21 @@ class RunDir:
         return target
 
     def load_server_state(self, server_round: int) -> dict[str, np.ndarray] | None:
-        """The server-optimiser state saved with round ``server_round``, or None when there is none."""
+        """The server-optimiser state saved with round ``server_round`` (``server_state.safetensors``), or None when
+        there is none.
+
+        Raises:
+            RunDirError: the file is damaged (names it).
+        """
         from safetensors.numpy import load_file
 
-        path = self.adapter_dir(server_round) / "server_state.safetensors"
-        return dict(load_file(str(path))) if path.is_file() else None
+        path = self.adapter_dir(server_round) / SERVER_STATE
+        if not path.is_file():
+            return None
+        try:
+            return dict(load_file(str(path)))
+        except Exception as err:  # safetensors raises its own error types for a damaged file
+            raise RunDirError(f"{path}: server-optimiser state unreadable ({err}); cannot resume") from None
 
     def load_json_state(self, server_round: int, name: str) -> Any:
         """The JSON state ``name`` saved with round ``server_round``'s adapter, or None when there is none.
@@ -383,8 +415,9 @@ def damaged_line_message(path: Path, line: int, err: Exception, after: int) -> s
     """What ``RunDir.records`` says about an unreadable line ``line`` of ``path`` with ``after`` records after it."""
     return (f"{path}, line {line}: not a readable round record ({err}), and {after} record(s) follow it; nothing was "
             f"changed. Restore that line (from a backup or by hand) and re-run to resume; or, to redo the rounds from "
-            f"there instead, keep only the lines before it (head -n {line - 1} {path} > {path}.new && "
-            f"mv {path}.new {path}) and re-run")
+            f"there instead (not under dp: the noised releases of the rounds dropped would go uncounted), keep only "
+            f"the lines before it (head -n {line - 1} {path} > {path}.new && mv {path}.new {path}), delete the "
+            f"adapter folders of the rounds dropped and re-run")
 
 
 def _json_default(value: Any) -> Any:

@@ -40,7 +40,7 @@ from fedspear.fl.records import ENCODING_KEY, LAYOUT_KEY, from_record, layout_of
 from fedspear.fl.secagg import SecureRounds
 from fedspear.fl.strategy import WinWeightedFedAvg
 from fedspear.report import accuracy_text, round_text, unchanged_adapter_warning, write_report
-from fedspear.rundir import EmptyRoundError, RunDir, RunDirError, initial_accuracy
+from fedspear.rundir import SERVER_STATE, EmptyRoundError, RunDir, RunDirError, initial_accuracy
 from fedspear.server.server_opt import arrays_to_state, state_to_arrays
 from fedspear.tensorboard import ScalarWriter
 from fedspear.server.schedule import lr_at_round
@@ -327,6 +327,8 @@ def run_server(grid: Grid, cfg: RunConfig, on_round: Callable[[dict], None] | No
 
     Raises:
         ConfigError: the run directory holds a run with other settings.
+        RunDirError: the run directory cannot be resumed as it is (``RunDir.verify``; a damaged optimiser or privacy
+            accountant state); nothing in it is changed.
         PartitionError: the train split cannot be divided over ``num_clients`` (``fedspear.fl.partition``).
         EmptyRoundError: a round accepted no client reply and may not be tolerated (``empty_round_error``); the
             rounds before it stay saved and re-running resumes.
@@ -346,6 +348,7 @@ def run_server(grid: Grid, cfg: RunConfig, on_round: Callable[[dict], None] | No
     # before the model loads: a missing privacy accountant (flwr[dp]) stops the run here, not after round 0
     private = PrivateRounds(strategy, cfg) if cfg.dp != "off" else None
     secure = SecureRounds(strategy, cfg, grid) if cfg.secure_aggregation != "off" else None  # fedspear.fl.secagg
+    run.verify(cfg)  # again here: `flwr run` reaches this without fedspear run's preflight
     records = run.records()
     board = ScalarWriter(run.path, first_round=len(records)) if cfg.tensorboard else None  # before the model, too
 
@@ -385,9 +388,12 @@ def run_server(grid: Grid, cfg: RunConfig, on_round: Callable[[dict], None] | No
             records.append(record)
             emit(record)
 
-        saved_state = run.load_server_state(last) if last else None
+        saved_state = run.load_server_state(last) if last else None  # present for FedAdam / FedYogi (verify)
         if saved_state:
-            strategy.opt_state = arrays_to_state(saved_state)
+            try:
+                strategy.opt_state = arrays_to_state(saved_state)
+            except ValueError as err:
+                raise RunDirError(f"{run.adapter_dir(last) / SERVER_STATE}: {err}; cannot resume") from None
         if private is not None:
             if last:
                 _resume_ledger(private, run, last, records[-1])

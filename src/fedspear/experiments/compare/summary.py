@@ -19,9 +19,10 @@ from .stats import item_mean_ci, item_paired_diff, mean_std, paired_ci, paired_g
 
 
 def cell_summary(cell: Cell) -> dict[str, Any] | None:
-    """Figures of one finished cell (None when it has not run)."""
+    """Figures of one finished cell (None when it has not run all its rounds: an interrupted cell's last evaluation
+    is not its final accuracy)."""
     run = RunDir(cell.path)
-    if not run.metrics_path.exists():
+    if not run.metrics_path.exists() or not cell.done():
         return None
     records = run.records()
     rounds = [r for r in records if r["round"] > 0]
@@ -59,6 +60,12 @@ def cell_summary(cell: Cell) -> dict[str, Any] | None:
                     **(r.get("health") or {})} for r in records if r.get("eval") or r.get("health")],
         "health_warnings": [w for r in records for w in r.get("health_warnings") or []],
     }
+
+
+def _progress(cell: Cell) -> str:
+    """``cell`` with how far it ran, e.g. ``spear-s0 (round 1 of 2)``."""
+    last = RunDir(cell.path).last_round() if cell.path.joinpath("metrics.jsonl").exists() else None
+    return f"{cell.name} (" + ("no round" if last is None else f"round {last} of {cell.config.rounds}") + ")"
 
 
 HEALTH_EVAL = ("tokens_gen_mean", "tokens_gen_median", "reasoning_gen", "label_entropy_gen", "top_label_share_gen",
@@ -159,6 +166,7 @@ def summarise(grid: Grid, output: Path, command: str = "", started: str = "") ->
     check_summarisable(grid, output)
     cells = grid.cells(output)
     rows = [s for s in (cell_summary(c) for c in cells) if s]
+    unfinished = [c for c in cells if c.path.is_dir() and not c.done()]
     variants = sorted({r["variant"] for r in rows}, key=lambda v: [c.variant for c in cells].index(v))
     metric_keys = [k for k in ("acc_gen", "acc_ll") if any(r["acc"].get(k) is not None for r in rows)]
     table: dict[str, Any] = {}
@@ -173,6 +181,8 @@ def summarise(grid: Grid, output: Path, command: str = "", started: str = "") ->
               f"{', '.join(map(str, grid.seeds))}" + (f" · axes {grid.axes}" if grid.axes else "") + ".",
               f"Shared settings: `{json.dumps(grid.base)}`"
               + "".join(f"; {t} only: `{json.dumps(v)}`" for t, v in grid.per_task.items()) + ".", ""]
+    if unfinished:
+        lines += [f"**Not finished, left out of every table:** {', '.join(_progress(c) for c in unfinished)}.", ""]
     lines += ["Accuracy in % on the fixed held-out subset (n per cell below), mean ± std over seeds, at the last "
               "evaluated round; round 0 is the base model (the same for every algorithm). *Gen* = accuracy of the "
               "final answer of a greedy generation (the paper's metric); *LL* = log-likelihood over the option "

@@ -327,12 +327,17 @@ def test_a_resume_into_folders_it_cannot_write_is_refused_before_the_round(tmp_p
     run = tmp_path / "run"
     cfg = RunConfig(model="tiny-random", output_dir=str(run))
     preflight(cfg)
-    (run / "adapters").mkdir()
-    (run / "metrics.jsonl").write_text("")
+    for folder in ("adapters", "eval", "tensorboard"):
+        (run / folder).mkdir()
+    for name in ("metrics.jsonl", "partitions.json"):
+        (run / name).write_text("")
     real = os.access
     for locked in (run / "adapters", run / "metrics.jsonl"):
         monkeypatch.setattr(os, "access", lambda p, mode, locked=locked: Path(p) != locked and real(p, mode))
         with pytest.raises(ConfigError, match=f"{locked}.*(cannot write|read-only)"):
             preflight(cfg)
-    monkeypatch.setattr(os, "access", real)
-    preflight(cfg)
+    # what a resume does not write, or replaces by a rename in the run's folder: eval/ (fedspear eval's),
+    # tensorboard/ with tensorboard off, partitions.json
+    for locked in (run / "eval", run / "tensorboard", run / "partitions.json"):
+        monkeypatch.setattr(os, "access", lambda p, mode, locked=locked: Path(p) != locked and real(p, mode))
+        preflight(cfg)

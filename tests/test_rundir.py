@@ -202,6 +202,10 @@ def test_a_fedadam_run_resumes_only_with_its_optimiser_state(tmp_path):
     run.append({"round": 1})
     assert run.verify(cfg) == 1 and set(run.load_server_state(1)) == set(state)
     path = run.adapter_dir(1) / "server_state.safetensors"
+    run.save_adapter(1, A, {"r": 16}, server_state={"m/x": np.zeros(2), "v/x": np.zeros(2)})  # a file, not a state
+    with pytest.raises(RunDirError, match="server_state.safetensors: server optimiser checkpoint has no 'step'"):
+        run.verify(cfg)
+    run.save_adapter(1, A, {"r": 16}, server_state=state)
     path.write_bytes(path.read_bytes()[:20])
     with pytest.raises(RunDirError, match="server_state.safetensors: server-optimiser state unreadable"):
         run.verify(cfg)

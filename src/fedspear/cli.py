@@ -228,17 +228,21 @@ def preflight(cfg: RunConfig) -> None:
 
     from .tasks import empty_split_error, get_task, load_split
     from .runtime.model import resolve_device
-    from .rundir import RUN_FILES, RunDir
+    from .rundir import RunDir
 
     check_output(cfg.output_dir, "output_dir", folder=True)
     run = RunDir(cfg.output_dir)
-    # a resumed run writes into the folders and files it made: refused now, not after a round's work
-    for name in sorted(RUN_FILES):
-        written = run.path / name
-        if written.is_dir():
-            check_output(written, "output_dir", folder=True)
-        elif written.is_file() and not os.access(written, os.W_OK):
-            raise ConfigError(f"output_dir {run.path}: cannot write {written} (read-only file system or no "
+    # a resumed run writes into the folders it made, appends to metrics.jsonl and rewrites report.md in place
+    # (the other files are replaced by a rename, which check_output's test of the folder covers): refused now, not
+    # after a round's work
+    folders = ["adapters", "answers", "plots", "progress"] + ["traces"] * (cfg.keep_traces != "off") \
+        + ["tensorboard"] * cfg.tensorboard
+    for name in folders:
+        if (run.path / name).is_dir():
+            check_output(run.path / name, "output_dir", folder=True)
+    for name in ("metrics.jsonl", "report.md"):
+        if (run.path / name).is_file() and not os.access(run.path / name, os.W_OK):
+            raise ConfigError(f"output_dir {run.path}: cannot write {run.path / name} (read-only file system or no "
                               "permission); nothing was changed")
     # round0_from is checked until round 0 is recorded: a resume no longer reads it
     if cfg.round0_from and not run.metrics_path.exists() and not RunDir(cfg.round0_from).config_path.is_file():

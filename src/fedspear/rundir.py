@@ -291,9 +291,16 @@ class RunDir:
         except (FileNotFoundError, OSError, ValueError) as err:
             raise RunDirError(f"{self.path}: cannot resume after round {last}: {err}") from None
         if cfg is not None and cfg.strategy in ("fedadam", "fedyogi") and last:
-            if self.load_server_state(last) is None:
+            from .server.server_opt import arrays_to_state
+
+            state = self.load_server_state(last)
+            if state is None:
                 raise RunDirError(f"{self.adapter_dir(last) / SERVER_STATE}: missing; a {cfg.strategy} run cannot "
                                   "resume without its server-optimiser state (its moments would restart at zero)")
+            try:
+                arrays_to_state(state)
+            except ValueError as err:
+                raise RunDirError(f"{self.adapter_dir(last) / SERVER_STATE}: {err}; cannot resume") from None
         return last
 
     def last_round(self) -> int | None:

@@ -327,8 +327,8 @@ def run_server(grid: Grid, cfg: RunConfig, on_round: Callable[[dict], None] | No
 
     Raises:
         ConfigError: the run directory holds a run with other settings.
-        RunDirError: the run directory cannot be resumed as it is (``RunDir.verify``; a damaged optimiser or privacy
-            accountant state); nothing in it is changed.
+        RunDirError: the run directory cannot be resumed as it is (``RunDir.verify``; a damaged privacy accountant
+            state); its records and adapters are left as they are.
         PartitionError: the train split cannot be divided over ``num_clients`` (``fedspear.fl.partition``).
         EmptyRoundError: a round accepted no client reply and may not be tolerated (``empty_round_error``); the
             rounds before it stay saved and re-running resumes.
@@ -336,6 +336,7 @@ def run_server(grid: Grid, cfg: RunConfig, on_round: Callable[[dict], None] | No
     cfg = cfg.resolved()
     run = RunDir(cfg.output_dir)
     run.check_or_write_config(cfg)
+    run.verify(cfg)  # again here: `flwr run` reaches this without fedspear run's preflight
     record_partitions(run, cfg)
     strategy = WinWeightedFedAvg(
         cfg.clients_per_round, cfg.num_clients, seed=cfg.seed, max_update_norm=reply_norm_bound(cfg),
@@ -348,7 +349,6 @@ def run_server(grid: Grid, cfg: RunConfig, on_round: Callable[[dict], None] | No
     # before the model loads: a missing privacy accountant (flwr[dp]) stops the run here, not after round 0
     private = PrivateRounds(strategy, cfg) if cfg.dp != "off" else None
     secure = SecureRounds(strategy, cfg, grid) if cfg.secure_aggregation != "off" else None  # fedspear.fl.secagg
-    run.verify(cfg)  # again here: `flwr run` reaches this without fedspear run's preflight
     records = run.records()
     board = ScalarWriter(run.path, first_round=len(records)) if cfg.tensorboard else None  # before the model, too
 

@@ -7,6 +7,7 @@
 #
 # Settings come from [tool.flwr.app.config] in pyproject.toml; `--run-config` overrides any of them (keys are the
 # RunConfig names with '-' for '_'). The run directory gets config.toml, metrics.jsonl, adapters, report.md, plots.
+# Exits 1, with the run's status and reason, when the run does not complete.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 RUN_DIR=${1:-runs/flwr}
@@ -52,3 +53,19 @@ CONFIG="run-dir=\"$RUN_ABS\" num-clients=$NODES"
 [ -n "$EXTRA" ] && CONFIG="$CONFIG $EXTRA"
 "$VENV_BIN/flwr" run . local --stream --run-config "$CONFIG" \
   --federation-config "num-supernodes=$NODES"
+# `flwr run --stream` exits 0 whatever the run's end: exit 1 unless the run's status says it completed
+"$VENV_BIN/flwr" ls local --format json > "$FLWR_HOME/ls.json" 2>&1 || true
+STATUS=$("$VENV_BIN/python" - "$FLWR_HOME/ls.json" <<'PY'
+import json, sys
+try:
+    runs = json.load(open(sys.argv[1])).get("runs") or []
+except ValueError:
+    runs = []
+last = max(runs, key=lambda r: r.get("pending-at") or "") if runs else {}  # this invocation's: the newest
+print(last.get("status", "unknown"), last.get("status-details") or "")
+PY
+)
+case "$STATUS" in
+  *completed*) ;;
+  *) echo "flwr run ended with status $STATUS (the SuperLink's log: $FLWR_HOME/superlink.log)" >&2; exit 1 ;;
+esac

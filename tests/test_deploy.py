@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import socket
 import stat
 import subprocess
@@ -147,6 +148,9 @@ def test_a_key_being_written_is_never_read_half_written(tmp_path, monkeypatch):
     path.write_text("abc\n")
     with pytest.raises(ValueError, match="too short"):
         node_worker.load_key(path)
+    path.write_bytes(b"\xff" * 64)  # the codec's own error named no file
+    with pytest.raises(ValueError, match=f"node-worker key {path} is not a key file"):
+        node_worker.load_key(path)
     with pytest.raises(ValueError, match="is a folder; give a file path"):
         node_worker.load_key(tmp_path, create=True)
     with pytest.raises(ValueError, match="worker.key is a file, not a folder"):
@@ -155,7 +159,8 @@ def test_a_key_being_written_is_never_read_half_written(tmp_path, monkeypatch):
 
 @pytest.mark.parametrize(("address", "message"), [("127.0.0.1:99999", "the port must be in 0..65535"),
                                                   ("127.0.0.1", "must be host:port"),
-                                                  ("10.0.0.5:9301", "not on the loopback interface")])
+                                                  ("10.0.0.5:9301", "not on the loopback interface"),
+                                                  ("[::1]:9301", "IPv6 is not supported; use 127.0.0.1:PORT")])
 def test_worker_addresses_are_checked(address, message):
     from fedspear.fl.node_worker import _split_address
 
@@ -175,6 +180,28 @@ def test_node_settings_are_checked():
         NodeSettings.from_node_config({"partition-id": 2}, 2)
     with pytest.raises(ValueError, match="set both or neither"):
         NodeSettings.from_node_config({"partition-id": 0, "worker-address": "127.0.0.1:1"}, 2)
+    # Flower parses --node-config values: 1.5 and true were taken as partition 1, "abc" failed in int()
+    for value in (1.5, True, "abc"):
+        with pytest.raises(ValueError, match=f"partition-id must be an integer, got {value!r}"):
+            NodeSettings.from_node_config({"partition-id": value}, 2)
+    # a misspelt key was ignored: the node trained on its Dirichlet slice instead of its own data
+    with pytest.raises(ValueError, match=r"key\(s\) 'data_dir', 'trace_db' not known; fedspear's ClientApp reads "
+                                         r"partition-id, num-partitions, data-dir"):
+        NodeSettings.from_node_config({"partition-id": 0, "trace_db": "/t.db", "data_dir": "/d"}, 2)
+    assert NodeSettings.from_node_config({"partition-id": 1, "num-partitions": 2}, 2).partition_id == 1  # simulation
+
+
+def test_a_trace_dir_under_a_file_is_refused_before_the_round(tmp_path):
+    """``trace-dir`` under a file failed after the round's generation and training, with a NotADirectoryError that
+    named no key."""
+    from fedspear.fl.node_worker import NodeSettings
+
+    (tmp_path / "afile").write_text("keep")
+    for where in (tmp_path / "afile", tmp_path / "afile" / "traces"):
+        with pytest.raises(ValueError, match=f"trace-dir {where}: {tmp_path / 'afile'} is a file, not a folder"):
+            NodeSettings.from_node_config({"partition-id": 0, "trace-dir": str(where)}, 2)
+    node = NodeSettings.from_node_config({"partition-id": 0, "trace-dir": str(tmp_path / "new" / "traces")}, 2)
+    assert node.trace_dir == str(tmp_path / "new" / "traces") and (tmp_path / "afile").read_text() == "keep"
 
 
 def test_a_node_with_its_own_data_trains_on_all_of_it(tmp_path, monkeypatch, always_right):
@@ -538,10 +565,19 @@ def test_deploy_local_settings_are_what_the_server_app_will_build(tmp_path, monk
     out = tmp_path / "never"
     for argv, words in ((["--nodes", "2", "--secure-aggregation"], "needs clients_per_round ≥ 3"),
                         (["--set", "num_clients=3"], "set it with --nodes"),
-                        (["--secure-aggregation", "--dp", "client"], "is not supported")):
+                        (["--secure-aggregation", "--dp", "client"], "is not supported"),
+                        # these started every process and then failed with an IndexError, a traceback, or a
+                        # message naming round_timeout
+                        (["--model", "no-such-model"], "unknown model 'no-such-model'"),
+                        (["--timeout", "-5"], "--timeout must be > 0 seconds, got -5")):
         monkeypatch.setattr(sys, "argv", ["run.py", "--output-dir", str(out), *argv])
         assert run.main() == 2
         assert words in capsys.readouterr().err and not out.exists()
+    (tmp_path / "afile").write_text("keep")
+    monkeypatch.setattr(sys, "argv", ["run.py", "--model", "tiny-random", "--output-dir",
+                                      str(tmp_path / "afile" / "x")])
+    assert run.main() == 2
+    assert f"--output-dir {tmp_path / 'afile' / 'x'}: Not a directory" in capsys.readouterr().err
 
 
 def test_certs_checks_every_node_name_before_writing(tmp_path):
@@ -558,3 +594,39 @@ def test_certs_checks_every_node_name_before_writing(tmp_path):
         result = CliRunner().invoke(app, ["certs", str(tmp_path / "c"), "--node", name])
         assert result.exit_code == 2 and f"a node key name cannot be '{name}'" in result.output
         assert not (tmp_path / "c").exists()
+
+
+def test_node_worker_says_which_address_it_cannot_take_and_which_port_it_took(tmp_path, caplog):
+    """A port in use was "[Errno 98] Address already in use" with no address; with port 0 the log said
+    "listening on 127.0.0.1:0", so no SuperNode could be pointed at the worker."""
+    from fedspear.fl import node_worker
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        address = "127.0.0.1:%d" % taken.getsockname()[1]
+        with pytest.raises(OSError, match=f"node worker cannot listen on {address}: .*another process holds the "
+                                          "port; give another --address"):
+            node_worker.serve(address, tmp_path / "worker.key")
+    listening = threading.Event()
+
+    class Stop(Exception):
+        pass
+
+    def accept_once(self):  # the first accept: note the address logged, then end serve()
+        listening.set()
+        raise Stop
+
+    import multiprocessing.connection as mpc
+
+    original = mpc.Listener.accept
+    mpc.Listener.accept = accept_once
+    try:
+        with caplog.at_level("INFO", logger="fedspear"), pytest.raises(Stop):
+            node_worker.serve("127.0.0.1:0", tmp_path / "worker.key")
+    finally:
+        mpc.Listener.accept = original
+    assert listening.is_set()
+    bound = re.search(r"listening on 127\.0\.0\.1:(\d+)", caplog.text)
+    assert bound and int(bound.group(1)) > 0
+

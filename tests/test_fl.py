@@ -286,6 +286,14 @@ def test_partition_discovery_leaves_out_replies_it_cannot_read(caplog):
         assert discover_partitions(grid, 6, timeout=1) == {1: 0, 4: 2}
     assert [r.getMessage() for r in caplog.records] == [
         f"node {n} answered the partition query without an integer partition-id; left out" for n in (2, 3)]
+    # two SuperNodes started with one partition-id: both trained it and another none, silently
+    replies.append(reply(7, MetricRecord({"partition-id": 2})))
+    grid.get_node_ids = lambda: [1, 2, 3, 4, 5, 6, 7]
+    from fedspear.config import ConfigError
+
+    with pytest.raises(ConfigError, match=r"partition-id 2 is set on nodes 4, 7: give each SuperNode its own "
+                                          r"\(--node-config 'partition-id=K', K in 0..6\)"):
+        discover_partitions(grid, 7, timeout=1)
 
 
 @pytest.mark.parametrize(("code", "dropped"), [

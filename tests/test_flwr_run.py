@@ -49,3 +49,14 @@ def test_flwr_run_streams_round_lines_into_an_absolute_run_dir(tmp_path):
     assert "round 0 (before training):" in out and "round 1: wins" in out and "round 2: wins" in out, out[-4000:]
     assert "final accuracy (round 2): generation" in out and f"report: {run_dir / 'report.md'}" in out
     assert not (REPO / str(run_dir).lstrip("/")).exists()  # not appended to the repository path
+
+
+def test_a_failed_flwr_run_is_not_reported_as_success(tmp_path):
+    """`flwr run --stream` exits 0 whatever the run's end, and so did the script: a run refused by the ServerApp
+    (rounds = 0) now ends it with exit code 1 and the run's status and reason."""
+    env = {**os.environ, "VENV_BIN": str(Path(sys.executable).parent)}
+    proc = subprocess.run(["bash", str(REPO / "scripts" / "flwr_run_local.sh"), str(tmp_path / "run"), "2",
+                           "rounds=0"], capture_output=True, text=True, timeout=300, env=env)
+    assert proc.returncode == 1, (proc.stdout + proc.stderr)[-4000:]
+    assert "flwr run ended with status finished:failed Simulation failed with exception: rounds: 0 is out of " \
+           "range" in proc.stderr

@@ -47,6 +47,7 @@ except ImportError:
     raise SystemExit("this example needs the [deploy] extra: pip install 'fedspear[deploy]' (psutil)") from None
 
 from fedspear.config import ConfigError, RunConfig, parse_assignments, unknown_keys_error
+from fedspear.runtime.model_zoo import TINY_MODEL, ModelError, resolve_model_dir
 from fedspear.fl.certs import make_node_keys, make_server_certificates
 from fedspear.fl.node_worker import ping
 from fedspear.report import epsilon_text
@@ -407,6 +408,10 @@ def deploy(args: argparse.Namespace, procs: Processes, out: Path, summary: dict)
         raise RuntimeError(f"run {run_id} still '{status}' after {args.timeout} s")
     summary["supernodes"] = {n["node-id"]: n["status"] for n in flwr(procs, cli_home, "supernode", "list")["nodes"]}
     records = read_records(run_dir)
+    if status != "finished:completed" and not records:  # nothing to summarise: say why the ServerApp stopped
+        details = flwr(procs, cli_home, "ls", "--run-id", str(run_id))["runs"][0].get("status-details") or ""
+        raise RuntimeError(f"run {run_id} ended '{status}' before round 0 was recorded: {details} (see "
+                           "logs/superlink.log and `flwr log`)")
     summary["rounds"] = summarise(records)
     summary["round0_seconds"] = records[0]["seconds"].get("evaluate")
     if not args.no_worker:
@@ -468,15 +473,23 @@ def main() -> int:
     try:  # bad settings stop here, before any process starts: the ServerApp's own merge (run config wins)
         if args.nodes < 1:
             raise ConfigError(f"--nodes must be at least 1, got {args.nodes}")
+        if not args.timeout > 0:
+            raise ConfigError(f"--timeout must be > 0 seconds, got {args.timeout:g}")
         RunConfig(**{**run_settings(args), **run_config_values(args)})
-    except (TypeError, ConfigError) as err:
+        if args.model != TINY_MODEL:  # an unknown model: said here, not by every node's ClientApp after the start
+            resolve_model_dir(args.model)
+    except (TypeError, ConfigError, ModelError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
-    out = Path(args.output_dir).resolve()
+    out = Path(args.output_dir).expanduser().resolve()
     if (out / "run" / "metrics.jsonl").exists():
         print(f"error: {out} already holds a run; remove it or choose another --output-dir", file=sys.stderr)
         return 2
-    (out / "logs").mkdir(parents=True, exist_ok=True)
+    try:
+        (out / "logs").mkdir(parents=True, exist_ok=True)
+    except OSError as err:
+        print(f"error: --output-dir {out}: {err.strerror or err}", file=sys.stderr)
+        return 2
     env = {**os.environ, TAG_VAR: uuid.uuid4().hex, "FLWR_TELEMETRY_ENABLED": "0", "FLWR_DISABLE_UPDATE_CHECK": "1",
            "FLWR_DISABLE_RUNTIME_DEPENDENCY_INSTALLATION": "1", "PYTHONUNBUFFERED": "1",
            # each SuperExec (the SuperLink's, for the ServerApp, and every SuperNode's, for each message's ClientApp)

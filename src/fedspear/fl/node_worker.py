@@ -37,6 +37,7 @@ loads per round on each node: 1 in the node's first round, 0 afterwards.
 from __future__ import annotations
 
 import dataclasses
+import errno
 import io
 import ipaddress
 import json
@@ -66,6 +67,11 @@ log = logging.getLogger("fedspear.node_worker")
 PROTOCOL = 1
 
 
+#: the node config keys fedspear's ClientApp reads (module docstring); ``num-partitions`` is the one Flower's
+#: simulation engine sets beside ``partition-id``
+NODE_KEYS = ("partition-id", "num-partitions", "data-dir", "trace-db", "trace-dir", "worker-address", "worker-key")
+
+
 @dataclass(frozen=True)
 class NodeSettings:
     """What a SuperNode's ``--node-config`` tells its ClientApp (keys written with '-', see the module docstring)."""
@@ -82,19 +88,32 @@ class NodeSettings:
         """Read and check the node config against the run's ``num_clients``.
 
         Raises:
-            ValueError: no ``partition-id``, or it is outside 0..num_clients-1, or only one of ``worker-address`` /
-            ``worker-key`` is set (each message names the key and the fix).
+            ValueError: a key that is not one of ``NODE_KEYS`` (a misspelt ``trace_db`` would train on the Dirichlet
+            slice instead of people's conversations), no ``partition-id``, or one that is not an integer in
+            0..num_clients-1, only one of ``worker-address`` / ``worker-key`` set, or a ``trace-dir`` that is a file
+            or lies under one (each message names the key and the fix).
         """
+        unknown = sorted(set(node) - set(NODE_KEYS))
+        if unknown:
+            raise ValueError(f"node config key(s) {', '.join(map(repr, unknown))} not known; fedspear's ClientApp "
+                             f"reads {', '.join(NODE_KEYS)}")
         if "partition-id" not in node:
             raise ValueError("node config has no 'partition-id' "
                              "(start the SuperNode with --node-config 'partition-id=K')")
-        pid = int(node["partition-id"])
+        pid = node["partition-id"]
+        if not isinstance(pid, int) or isinstance(pid, bool):
+            raise ValueError(f"node config partition-id must be an integer, got {pid!r}")
         if not 0 <= pid < num_clients:
             raise ValueError(f"partition-id {pid} is outside 0..{num_clients - 1} (num_clients = {num_clients})")
         address, key = node.get("worker-address"), node.get("worker-key")
         if bool(address) != bool(key):
             raise ValueError("node config sets only one of 'worker-address' and 'worker-key'; set both or neither")
         data_dir, trace_db = node.get("data-dir"), node.get("trace-db")
+        if node.get("trace-dir"):
+            where = Path(str(node["trace-dir"])).expanduser()
+            above = next((p for p in (where, *where.parents) if p.exists()), None)
+            if above is not None and not above.is_dir():
+                raise ValueError(f"node config trace-dir {where}: {above} is a file, not a folder; give a folder")
         return cls(pid, str(data_dir) if data_dir else None, str(address) if address else None,
                    str(key) if key else None, str(trace_db) if trace_db else None,
                    str(node["trace-dir"]) if node.get("trace-dir") else None)
@@ -209,6 +228,8 @@ def _split_address(address: str) -> tuple[str, int]:
             loopback = False
     if not loopback:
         raise ValueError(f"worker address {address!r} is not on the loopback interface (use 127.0.0.1:PORT)")
+    if ":" in host:  # multiprocessing.connection speaks AF_INET only
+        raise ValueError(f"worker address {address!r}: IPv6 is not supported; use 127.0.0.1:PORT")
     return host, int(port)
 
 
@@ -243,7 +264,10 @@ def load_key(path: str | Path, create: bool = False) -> bytes:
     if not path.is_file():
         raise FileNotFoundError(f"node-worker key {path} not found "
                                 f"(`fedspear node-worker --key-file {path}` writes it)")
-    key = path.read_text().strip()
+    try:
+        key = path.read_text(encoding="ascii").strip()
+    except UnicodeDecodeError:
+        raise ValueError(f"node-worker key {path} is not a key file (expected 64 hex characters)") from None
     if len(key) < 32:
         raise ValueError(f"node-worker key {path} is too short (expected 64 hex characters)")
     return key.encode()
@@ -320,8 +344,15 @@ def serve(address: str, key_file: str | Path) -> None:
     host, port = _split_address(address)
     key = load_key(key_file, create=True)
     runner = NodeRunner()
-    with Listener((host, port), family="AF_INET", authkey=key) as listener:
-        log.info("node worker pid %d listening on %s", os.getpid(), address)
+    try:
+        listener = Listener((host, port), family="AF_INET", authkey=key)
+    except OSError as err:
+        raise OSError(f"node worker cannot listen on {address}: {err.strerror or err}"
+                      + (" (another process holds the port; give another --address)"
+                         if err.errno == errno.EADDRINUSE else "")) from None
+    with listener:
+        bound = "%s:%d" % listener.address  # port 0 asks for any free one: this is the one to give the SuperNode
+        log.info("node worker pid %d listening on %s", os.getpid(), bound)
         while True:
             try:
                 conn = listener.accept()

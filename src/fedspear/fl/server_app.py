@@ -32,7 +32,7 @@ from fedspear.runtime.compiled import compiles_decode
 from fedspear.runtime.memory import peak_rss_mb, release_memory, tree_peak
 from fedspear.runtime.model import model_device
 from fedspear.tasks import load_train_examples
-from fedspear.config import RunConfig, load_config, snake_key
+from fedspear.config import ConfigError, RunConfig, load_config, snake_key
 from fedspear.evaluation import Evaluator
 from fedspear.fl.partition import dirichlet_partitions, partition_summary
 from fedspear.fl.privacy import STATE_FILE, PrivateRounds, reply_norm_bound
@@ -188,6 +188,9 @@ def discover_partitions(grid: Grid, expected: int, timeout: float = 120.0) -> di
 
     Nodes that do not answer within ``timeout`` seconds are simply left out (they sort last when sampling), and so
     are replies without one metric record holding an integer ``partition-id`` (logged: not a fedspear ClientApp).
+
+    Raises:
+        ConfigError: two nodes answer with the same partition id (both would train it, and another none).
     """
     deadline = time.monotonic() + timeout
     while len(list(grid.get_node_ids())) < expected and time.monotonic() < deadline:
@@ -206,6 +209,15 @@ def discover_partitions(grid: Grid, expected: int, timeout: float = 120.0) -> di
             continue
         if pid >= 0:
             mapping[reply.metadata.src_node_id] = pid
+    claimed: dict[int, list[int]] = {}
+    for node, pid in sorted(mapping.items()):
+        claimed.setdefault(pid, []).append(node)
+    twice = {pid: nodes for pid, nodes in sorted(claimed.items()) if len(nodes) > 1}
+    if twice:
+        raise ConfigError("; ".join(f"partition-id {pid} is set on nodes {', '.join(map(str, nodes))}"
+                                    for pid, nodes in twice.items())
+                          + ": give each SuperNode its own (--node-config 'partition-id=K', K in 0.."
+                          f"{expected - 1})")
     return mapping
 
 
@@ -524,4 +536,5 @@ def main(grid: Grid, context: Context) -> None:
     unchanged = unchanged_adapter_warning(records)
     if unchanged:
         print(f"warning: {unchanged}", flush=True)
-    print(f"report: {Path(cfg.output_dir) / 'report.md'}", flush=True)
+    # absolute: a relative run-dir lies under the SuperLink's working folder, which the `flwr` user may not know
+    print(f"report: {Path(cfg.output_dir).absolute() / 'report.md'}", flush=True)

@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 import math
+from pathlib import Path
 
 import pytest
 
-from fedspear.config import ConfigError, RunConfig, load_config
+from fedspear.config import ConfigError, RunConfig, load_config, nearest_existing
 from fedspear.server.schedule import lr_at_round
 
 
@@ -103,3 +104,12 @@ def test_lr_schedule_warmup_then_cosine():
     assert all(a >= b for a, b in zip(values, values[1:]))  # monotone decay
     with pytest.raises(ValueError):
         lr_at_round(0, 100, lr, lo)
+
+
+def test_nearest_existing_walks_up_to_the_part_that_exists(tmp_path):
+    """The one walk-up behind every "X is a file, not a folder" check (cli, trace store, node worker)."""
+    (tmp_path / "notes.txt").write_text("x")
+    assert nearest_existing(tmp_path) == tmp_path
+    assert nearest_existing(tmp_path / "a" / "b" / "c.json") == tmp_path
+    assert nearest_existing(tmp_path / "notes.txt" / "run" / "x") == tmp_path / "notes.txt"  # a file in the way
+    assert nearest_existing("/no-such-folder-anywhere/x") == Path("/")

@@ -47,6 +47,8 @@ def test_server_state_is_checkpointed_with_the_adapter(tmp_path):
     back = arrays_to_state(run.load_server_state(5))
     assert back.step == 4 and np.array_equal(back.v["w"], state.v["w"])
     assert run.load_server_state(4) is None
+    parsed = run.server_opt_state(5)  # what a resume restores: the same moments, parsed in one place
+    assert parsed.step == 4 and np.array_equal(parsed.m["w"], state.m["w"]) and run.server_opt_state(4) is None
 
 
 def test_fedprox_pulls_the_local_update_towards_the_global_adapter(tiny, arc_items, always_right):

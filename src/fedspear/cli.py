@@ -18,7 +18,7 @@ from typing import Any, Optional
 
 import typer
 
-from .config import ConfigError, RunConfig, config_file_values, load_config, parse_assignments
+from .config import ConfigError, RunConfig, config_file_values, load_config, nearest_existing, parse_assignments
 from .stops import Stops, compare_line, run_line, stoppable
 
 
@@ -158,9 +158,7 @@ def check_output(path: Path | str, what: str, *, folder: bool, example: str = "e
         raise ConfigError(f"{what} {path} is an existing file, not a folder; give a folder path")
     if path.is_dir() and not folder:
         raise ConfigError(f"{what} {path} is a folder; give a file path, e.g. {path / example}")
-    place = path if folder and path.is_dir() else path.parent
-    while not place.exists() and place != place.parent:  # the nearest part that exists: where the folders go
-        place = place.parent
+    place = nearest_existing(path if folder else path.parent)  # where the folders go
     if not place.is_dir():
         raise ConfigError(f"{what} {path}: {place} is a file, not a folder; give another path")
     if not os.access(place, os.W_OK | os.X_OK):

@@ -30,6 +30,16 @@ class ConfigError(ValueError):
     """A configuration key is unknown or its value is out of range. The message names the key and the range."""
 
 
+def nearest_existing(path: str | Path) -> Path:
+    """``path`` itself when it exists, else its nearest parent that does: where the folders an output needs would be
+    made. A caller refusing an output whose folder lies under a file checks ``.is_dir()`` on it; the file system's
+    root always exists, so the walk ends there."""
+    place = Path(path)
+    while not place.exists() and place != place.parent:
+        place = place.parent
+    return place
+
+
 def snake_key(name: str) -> str:
     """A key as Flower and the command line write it (``max-revisions``, ``num-wins``) → its Python name
     (``max_revisions``, ``num_wins``): the one place kebab-case becomes snake_case."""

@@ -30,11 +30,14 @@ import math
 import os
 import shutil
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from .config import ConfigError, RunConfig, load_config, read_toml
+
+if TYPE_CHECKING:
+    from .server.server_opt import ServerOptState
 
 log = logging.getLogger("fedspear")
 
@@ -290,17 +293,10 @@ class RunDir:
             self.load_adapter(last)
         except (FileNotFoundError, OSError, ValueError) as err:
             raise RunDirError(f"{self.path}: cannot resume after round {last}: {err}") from None
-        if cfg is not None and cfg.strategy in ("fedadam", "fedyogi") and last:
-            from .server.server_opt import arrays_to_state
-
-            state = self.load_server_state(last)
-            if state is None:
-                raise RunDirError(f"{self.adapter_dir(last) / SERVER_STATE}: missing; a {cfg.strategy} run cannot "
-                                  "resume without its server-optimiser state (its moments would restart at zero)")
-            try:
-                arrays_to_state(state)
-            except ValueError as err:
-                raise RunDirError(f"{self.adapter_dir(last) / SERVER_STATE}: {err}; cannot resume") from None
+        if cfg is not None and cfg.strategy in ("fedadam", "fedyogi") and last \
+                and self.server_opt_state(last) is None:
+            raise RunDirError(f"{self.adapter_dir(last) / SERVER_STATE}: missing; a {cfg.strategy} run cannot "
+                              "resume without its server-optimiser state (its moments would restart at zero)")
         return last
 
     def last_round(self) -> int | None:
@@ -376,6 +372,23 @@ class RunDir:
             return dict(load_file(str(path)))
         except Exception as err:  # safetensors raises its own error types for a damaged file
             raise RunDirError(f"{path}: server-optimiser state unreadable ({err}); cannot resume") from None
+
+    def server_opt_state(self, server_round: int) -> ServerOptState | None:
+        """The FedAdam / FedYogi moments saved with round ``server_round``, parsed
+        (``fedspear.server.server_opt.arrays_to_state``), or None when the round saved none.
+
+        Raises:
+            RunDirError: the file is damaged or holds no server-optimiser state (names it).
+        """
+        from .server.server_opt import arrays_to_state
+
+        state = self.load_server_state(server_round)
+        if state is None:
+            return None
+        try:
+            return arrays_to_state(state)
+        except ValueError as err:
+            raise RunDirError(f"{self.adapter_dir(server_round) / SERVER_STATE}: {err}; cannot resume") from None
 
     def load_json_state(self, server_round: int, name: str) -> Any:
         """The JSON state ``name`` saved with round ``server_round``'s adapter, or None when there is none.

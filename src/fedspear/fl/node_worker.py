@@ -54,7 +54,7 @@ from typing import TYPE_CHECKING, Any, Mapping
 import numpy as np
 
 from fedspear.answers import trace_dir
-from fedspear.config import RunConfig
+from fedspear.config import RunConfig, nearest_existing
 from fedspear.fl.partition import dirichlet_partitions
 from fedspear.human.store import TraceStore
 from fedspear.runtime.memory import release_memory
@@ -111,8 +111,8 @@ class NodeSettings:
         data_dir, trace_db = node.get("data-dir"), node.get("trace-db")
         if node.get("trace-dir"):
             where = Path(str(node["trace-dir"])).expanduser()
-            above = next((p for p in (where, *where.parents) if p.exists()), None)
-            if above is not None and not above.is_dir():
+            above = nearest_existing(where)
+            if not above.is_dir():
                 raise ValueError(f"node config trace-dir {where}: {above} is a file, not a folder; give a folder")
         return cls(pid, str(data_dir) if data_dir else None, str(address) if address else None,
                    str(key) if key else None, str(trace_db) if trace_db else None,
@@ -243,8 +243,8 @@ def load_key(path: str | Path, create: bool = False) -> bytes:
     path = Path(path)
     if path.is_dir():
         raise ValueError(f"node-worker key {path} is a folder; give a file path, e.g. {path / 'worker.key'}")
-    above = next((p for p in path.parents if p.exists()), None)
-    if above is not None and not above.is_dir():
+    above = nearest_existing(path.parent)
+    if not above.is_dir():
         raise ValueError(f"node-worker key {path}: {above} is a file, not a folder")
     if create and not path.exists():
         # Written whole under a temporary name, then linked in: a reader never sees an empty or half-written key

@@ -40,8 +40,8 @@ from fedspear.fl.records import ENCODING_KEY, LAYOUT_KEY, from_record, layout_of
 from fedspear.fl.secagg import SecureRounds
 from fedspear.fl.strategy import WinWeightedFedAvg
 from fedspear.report import accuracy_text, round_text, unchanged_adapter_warning, write_report
-from fedspear.rundir import SERVER_STATE, EmptyRoundError, RunDir, RunDirError, initial_accuracy
-from fedspear.server.server_opt import arrays_to_state, state_to_arrays
+from fedspear.rundir import EmptyRoundError, RunDir, RunDirError, initial_accuracy
+from fedspear.server.server_opt import state_to_arrays
 from fedspear.tensorboard import ScalarWriter
 from fedspear.server.schedule import lr_at_round
 
@@ -400,12 +400,9 @@ def run_server(grid: Grid, cfg: RunConfig, on_round: Callable[[dict], None] | No
             records.append(record)
             emit(record)
 
-        saved_state = run.load_server_state(last) if last else None  # present for FedAdam / FedYogi (verify)
-        if saved_state:
-            try:
-                strategy.opt_state = arrays_to_state(saved_state)
-            except ValueError as err:
-                raise RunDirError(f"{run.adapter_dir(last) / SERVER_STATE}: {err}; cannot resume") from None
+        saved_state = run.server_opt_state(last) if last else None  # present for FedAdam / FedYogi (verify)
+        if saved_state is not None:
+            strategy.opt_state = saved_state
         if private is not None:
             if last:
                 _resume_ledger(private, run, last, records[-1])

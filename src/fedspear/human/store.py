@@ -29,6 +29,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Iterator, Sequence
 
+from ..config import nearest_existing
+
 SCHEMA_VERSION = 1
 
 _SCHEMA = """
@@ -336,9 +338,7 @@ def _check_place(path: Path) -> None:
     ``fedspear.cli.check_output``, which the core does not import)."""
     if path.is_dir():
         raise TraceStoreError(f"{path} is a folder; give a file path, e.g. {path / 'traces.db'}")
-    place = path.parent
-    while not place.exists() and place != place.parent:  # the nearest part that exists: where the folders go
-        place = place.parent
+    place = nearest_existing(path.parent)  # where the folders go
     if not place.is_dir():
         raise TraceStoreError(f"{path}: {place} is a file, not a folder; give another path")
 

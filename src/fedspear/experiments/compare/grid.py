@@ -243,8 +243,12 @@ class Cell:
         except ConfigError as err:
             raise ConfigError(f"grid cell {self.name}: {err}") from None
 
+    def last_round(self) -> int | None:
+        """The last round this cell's metrics.jsonl records (0 = initial evaluation), None before any."""
+        return RunDir(self.path).last_round() if (self.path / "metrics.jsonl").exists() else None
+
     def done(self) -> bool:
-        last = RunDir(self.path).last_round() if (self.path / "metrics.jsonl").exists() else None
+        last = self.last_round()
         return last is not None and last >= self.config.rounds
 
 

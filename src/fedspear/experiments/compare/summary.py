@@ -64,7 +64,7 @@ def cell_summary(cell: Cell) -> dict[str, Any] | None:
 
 def _progress(cell: Cell) -> str:
     """``cell`` with how far it ran, e.g. ``spear-s0 (round 1 of 2)``."""
-    last = RunDir(cell.path).last_round() if cell.path.joinpath("metrics.jsonl").exists() else None
+    last = cell.last_round()
     return f"{cell.name} (" + ("no round" if last is None else f"round {last} of {cell.config.rounds}") + ")"
 
 

@@ -746,9 +746,9 @@ def result_stem(result: dict[str, Any], scaling: bool = False) -> str:
 # checkpointing, 2 threads, fp32: their CPU path has no bf16), seconds per client-round, per machine kind
 # (:func:`machine_kind`), each measured back to back with fedspear on one machine of that kind (a kind measured on
 # several machines lists the others under ``other_machines``). Source: the project's reference-timing notes of
-# 2026-11-25 / 2026-11-27 / 2026-12-01 / 2026-12-02 / 2026-12-05 (issue 40 item 6). A ratio is given only against
-# the references of the kind measured: one kind's figure divided by another's compares two machines, not two
-# programs.
+# 2026-11-25 / 2026-11-27 / 2026-12-01 / 2026-12-02 / 2026-12-05 / 2026-12-06 (issue 40 item 6). A ratio is given
+# only against the references of the kind measured: one kind's figure divided by another's compares two machines, not
+# two programs.
 AUTHORS_REFERENCES: dict[str, dict[str, Any]] = {
     "zen4-avx2": {
         "machine": "2-core AMD EPYC Zen 4, AVX2 only (no AVX-512, no bf16 units)", "date": "2026-11-25",
@@ -759,6 +759,13 @@ AUTHORS_REFERENCES: dict[str, dict[str, Any]] = {
         "machine": "Intel Xeon (family 6, model 167), AVX-512 BF16 + AMX", "date": "2026-11-27",
         "seconds_per_client_round": 41.1,  # mean of two runs' medians: A 40.7/39.1/39.5 (39.5), B 46.5/42.0/42.7 (42.7)
         "fedspear_same_machine": "fp32 34.4 s (0.84 ×), bf16 30.4 s (0.74 ×) per client-round (ea2bbe6)",
+        "other_machines": [{
+            "date": "2026-12-06",
+            "seconds_per_client_round": 38.8,  # mean of three runs' medians: 42.0/45.8/41.5 (42.0), 37.7/38.9/37.5
+                                               # (37.7), 35.6/39.4/36.6 (36.6)
+            "fedspear_same_machine": "bf16 25.1 / 21.2 s (0.65 / 0.55 ×), fp32 23.6 / 25.1 s (0.61 / 0.65 ×) per "
+                                     "client-round (fad7a06)",
+        }],
     },
     "intel-f6m106-avx512": {
         "machine": "2-core Intel Xeon (family 6, model 106), AVX-512 without BF16 or AMX (fp32)", "date": "2026-12-01",

@@ -194,6 +194,43 @@ def test_a_second_signal_ends_the_command_at_once(tmp_path):
     assert session(proc.pid) == []
 
 
+# a simulation's stop without Ray: the section never looks at the stop, and the deadline is far away
+SIMULATION = textwrap.dedent("""
+    import time
+    from fedspear import stops
+    from fedspear.fl.simulation import stop_ray_workers
+
+    with stops.Stops(lambda signum: f"stopped by {stops.signal_name(signum)}", deadline=600.0):
+        with stops.cooperative(on_stop=stop_ray_workers):
+            print("ready", flush=True)
+            time.sleep(600)
+""")
+
+
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGHUP], ids=["sigterm", "sighup"])
+def test_sigterm_or_a_hang_up_ends_a_simulation_at_once_and_ctrl_c_lets_it_wind_down(tmp_path, signum):
+    """In a simulation's cooperative section (``on_stop=stop_ray_workers``) SIGTERM and SIGHUP end the command at
+    once, with its line and status: with the deadline 600 s away, nothing else could end it within ``stop``'s 10 s
+    (sent to the process group they also reach Ray's raylet, whose exit makes Ray end the process with status 1).
+    SIGINT leaves the section to wind down: 1 s later it still runs, and a second Ctrl-C ends it."""
+    script = tmp_path / "prog.py"
+    script.write_text(SIMULATION)
+    proc = start([sys.executable, str(script)], env=dict(os.environ))
+    assert proc.stdout.readline().strip() == "ready"
+    status, err, _ = stop(proc, signum)
+    assert status == 128 + signum, err
+    assert err.strip().splitlines()[-1] == f"stopped by {signal.Signals(signum).name}"
+
+    proc = start([sys.executable, str(script)], env=dict(os.environ))
+    assert proc.stdout.readline().strip() == "ready"
+    os.killpg(proc.pid, signal.SIGINT)
+    time.sleep(1.0)
+    assert proc.poll() is None
+    status, err, _ = stop(proc, signal.SIGINT)
+    assert status == 130 and err.strip().splitlines()[-1] == "stopped by SIGINT", err
+    assert session(proc.pid) == []
+
+
 # a library's thread that starts a process once the stop is under way, as Flower's simulation does from its
 # ``finally`` (its exit event runs ``platform.architecture()``, hence the ``file`` command)
 LATE = textwrap.dedent("""

@@ -21,6 +21,10 @@ number (130, 143, 129). No ``flwr`` import.
   simulation stops its Ray workers), the ServerApp's waits (``StoppableGrid``) raise ``Stopped`` in its own thread,
   and Flower's engine winds down as after any ServerApp error (its ``RayBackend.terminate``: ``ray.shutdown()``).
   Libraries that install their own SIGTERM handler (``ray.init`` does) are followed by ``reinstall()``.
+- *SIGTERM and SIGHUP during a simulation* (2026-12-06). They end ``fedspear run`` at once, as the deadline would
+  (``fl.simulation.stop_ray_workers``): sent to the process group they reach Ray's raylet and GCS, and once the
+  raylet has gone Ray's core ends the process with status 1 and no line (seen once in CI). SIGINT, which Ray's
+  services block, winds down through Flower's engine.
 - *Deadline.* If the command has not ended ``deadline`` seconds after the first signal (the server was evaluating,
   a library call did not return), or when a second signal comes, the process tree is killed, the line printed and
   the process ended at once (``os._exit``). Run records are written atomically (``fedspear.rundir``), so this costs
@@ -89,6 +93,11 @@ _state: dict[str, Any] = {"signum": None, "cooperative": 0, "on_stop": [], "reme
 def requested() -> bool:
     """Whether a stop was asked for (in this process, since the command began)."""
     return _event.is_set()
+
+
+def stop_signal() -> int | None:
+    """The signal that asked for the stop (SIGINT, SIGTERM or SIGHUP); None before one."""
+    return _state["signum"] if _event.is_set() else None
 
 
 def check() -> None:

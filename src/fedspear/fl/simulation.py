@@ -63,15 +63,27 @@ def start_ray(backend_config: dict) -> None:
 
 
 def stop_ray_workers() -> None:
-    """At a stop: SIGTERM to Ray's worker processes (the client actor, ``ray::ClientAppActor``; idle workers), so the
-    engine's threads waiting on them return and Flower winds down (``RayBackend.terminate``, ``ray.shutdown``). Ray's
-    own services are left to ``ray.shutdown``; a watcher thread ends the run at once (``stops.end_now``, what the
-    stop's deadline would do later) when, 1.5 s on, they are gone or a terminated worker sits idle (the comment below
-    says why). The engine's error logs about the stopped workers are silenced."""
+    """At a stop: after SIGTERM or SIGHUP, end the run at once (``stops.end_now``: the process tree killed, the stop
+    line, exit 143 or 129); after SIGINT, SIGTERM to Ray's worker processes (the client actor,
+    ``ray::ClientAppActor``; idle workers), so the engine's threads waiting on them return and Flower winds down
+    (``RayBackend.terminate``, ``ray.shutdown``). Ray's own services are then left to ``ray.shutdown``; a watcher
+    thread ends the run at once (what the stop's deadline would do later) when, 1.5 s on, they are gone or a
+    terminated worker sits idle (the comments below say why). The engine's error logs about the stopped workers are
+    silenced."""
+    import signal
     import threading
 
     import psutil
 
+    # SIGTERM or SIGHUP sent to the process group reaches Ray's raylet and GCS too (they block only SIGINT), and they
+    # shut down. Once its node is gone, Ray's core in this process tries to recover the objects this process put in
+    # the node's object store, finds the store's socket closed and ends the process with status 1, no stop line:
+    # ≈ 0.1 s after the raylet took the signal (seen once in CI, 2026-12-06: "The connection to the plasma store is
+    # failed. Terminate the process." in Ray's python-core-driver-<pid>.log). Nothing would wind down anyway (below),
+    # and a SIGTERM to this process alone cannot be told apart, so both end now; the rounds recorded so far are kept
+    # (written atomically), as at the deadline.
+    if stops.stop_signal() in (signal.SIGTERM, signal.SIGHUP):
+        stops.end_now()
     logging.getLogger("flwr").setLevel(logging.CRITICAL)
     workers = []
     for proc in psutil.Process().children(recursive=True):
@@ -82,14 +94,13 @@ def stop_ray_workers() -> None:
                 workers.append(proc)
         except psutil.Error:
             continue
-    # A signal to the whole process group reaches Ray's own services too. SIGHUP ends its raylet and GCS, and
-    # without them the engine cannot wind down (its calls into Ray wait for them). SIGTERM starts their own
-    # shutdown instead, during which a worker given SIGTERM does not exit but sleeps (Ray 2.55 on 2 cores: the
-    # actor, raylet and GCS all still there 5.6 s later, until the deadline), and again nothing winds down. So 1.5 s
-    # on, either sign ends the run at once, as the deadline would: a service gone (also where ray.shutdown ended it:
-    # the run is ending then anyway), or a terminated worker alive and idle (< 0.2 s of CPU in those 1.5 s). A worker
-    # still computing is left alone: Ray's SIGTERM handler runs once its thread is back in Python (a backward pass
-    # on the CPU can take seconds), and the stop's deadline still bounds the wait.
+    # The engine cannot wind down without Ray's services, nor while a worker given SIGTERM sleeps instead of exiting
+    # (both seen when SIGTERM and SIGHUP took this path: a SIGHUP to the group ended the raylet and GCS; a SIGTERM
+    # started their own shutdown, during which the actor, raylet and GCS were all still there 5.6 s later, Ray 2.55 on
+    # 2 cores). So 1.5 s on, either sign ends the run at once, as the deadline would: a service gone (also where
+    # ray.shutdown ended it: the run is ending then anyway), or a terminated worker alive and idle (< 0.2 s of CPU in
+    # those 1.5 s). A worker still computing is left alone: Ray's SIGTERM handler runs once its thread is back in
+    # Python (a backward pass on the CPU can take seconds), and the stop's deadline still bounds the wait.
     services = [p for p in stops.remembered() if _name(p) in ("raylet", "gcs_server")]
     started = {w.pid: _cpu_seconds(w) for w in workers}
 

@@ -142,6 +142,13 @@ def end_processes(procs: Iterable[psutil.Process], kill_after: float = KILL_AFTE
     return _wait_gone(running, 2.0)
 
 
+def kill_now(procs: Iterable[psutil.Process]) -> None:
+    """SIGKILL to each live process of ``procs``, not waiting for them to go."""
+    for proc in procs:
+        if alive(proc):
+            _signal(proc, signal.SIGKILL)
+
+
 def _wait_gone(procs: list[psutil.Process], timeout: float) -> list[psutil.Process]:
     """Wait until each of ``procs`` has ended, at most ``timeout`` s; returns those still running. An ended process
     whose parent has not reaped it yet (a zombie) counts as ended: those of this process are reaped here, but one
@@ -233,9 +240,11 @@ class Stops:
             return f"stopped by {signal_name(signum)} ({type(err).__name__}: {err})"
 
     def _end_now(self) -> None:
-        """The deadline passed, or a second signal came: kill the tree, print the line, end the process. Takes no
-        lock another thread may hold (an interrupted logging call or write): the line goes straight to fd 2."""
-        end_processes(_descendants(), kill_after=0)
+        """The deadline passed, a second signal came, or the work asked for it (``end_now``): SIGKILL to the tree,
+        print the line, end the process, without waiting for the killed processes to go (they end within
+        milliseconds, and Ray's core may end this process with status 1 meanwhile: ``fl.simulation.stop_ray_workers``).
+        Takes no lock another thread may hold (an interrupted logging call or write): the line goes straight to fd 2."""
+        kill_now(_descendants())
         _exit(128 + (_state["signum"] or signal.SIGTERM), self._say(), flush=False)
 
     def __exit__(self, exc_type, exc, tb) -> None:
@@ -275,7 +284,7 @@ def _exit(code: int, line: str, flush: bool = True) -> None:
         os.write(2, (line + "\n").encode("utf-8", "replace"))
     except OSError:
         pass
-    end_processes(children(), kill_after=0)  # born while the tree was being ended (module docstring: late children)
+    kill_now(children())  # born while the tree was being ended (module docstring: late children)
     os._exit(code)
 
 

@@ -383,13 +383,26 @@ def _wait_at_work(proc: subprocess.Popen, outs, server_round: int, timeout: floa
 def _stopped_run(out: Path, signum: int, after_round: int, group: bool = True) -> tuple[int, str, float]:
     """Start the run, wait for round ``after_round``'s record and then for a client at work on the next round
     (``helpers.client_at_work``, looked at every 20 ms: a tiny round can take well under a second, so a fixed wait
-    could see the run end), send ``signum`` to its process group (or to the CLI alone); (status, stderr, seconds)."""
+    could see the run end), send ``signum`` to its process group (or to the CLI alone); (status, stderr, seconds),
+    stderr followed by the end of Ray's driver log where the status is not the stop's."""
     proc = start([FEDSPEAR, "run", *RESUME_ARGS, "-o", str(out)], env=dict(os.environ))
     wait_for(_has_round(out, after_round), proc, 600, f"round {after_round}")
     _wait_at_work(proc, lambda: [out], after_round + 1)
-    result = stop(proc, signum, group=group)
+    status, err, seconds = stop(proc, signum, group=group)
     assert session(proc.pid) == [], "processes left running"
-    return result
+    if status != 128 + signum:  # the failure message shows what Ray's core in the run's process logged last
+        err += _ray_driver_log(proc.pid)
+    return status, err, seconds
+
+
+def _ray_driver_log(pid: int, lines: int = 15) -> str:
+    """The last ``lines`` lines of Ray's log of the core worker in process ``pid`` (the driver), where Ray writes
+    why it ended a process itself (a run that ended with status 1 and no stop line, 2026-12-06); '' without one."""
+    sessions = Path(os.environ.get("RAY_TMPDIR", "/tmp"), "ray")  # Ray's default place for its session logs
+    logs = sorted(sessions.glob(f"session_*/logs/python-core-driver-*_{pid}.log"), key=lambda log: log.stat().st_mtime)
+    if not logs:
+        return ""
+    return f"\n--- {logs[-1]}:\n" + "\n".join(logs[-1].read_text(errors="replace").splitlines()[-lines:])
 
 
 @pytest.mark.slow

@@ -137,8 +137,7 @@ def end_processes(procs: Iterable[psutil.Process], kill_after: float = KILL_AFTE
         for proc in running:
             _signal(proc, signal.SIGTERM)
         running = _wait_gone(running, kill_after)
-    for proc in running:
-        _signal(proc, signal.SIGKILL)
+    kill_now(running)
     return _wait_gone(running, 2.0)
 
 

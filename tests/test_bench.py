@@ -305,11 +305,59 @@ def test_tree_peak_sums_children_and_counts_a_shared_mapping_once(tmp_path):
             child.wait()
             mapped.close()
     assert now["processes"] == before["processes"] + 1
+    assert tree.full_readings == 2  # the child was new: every PSS read again
     # the child: 300 MiB private + 300 MiB mapped (+ an interpreter); the parent: the same 300 MiB mapped
     assert now["rss"] - before["rss"] > 300 + 300 + 300 - 50
     assert 300 + 300 - 50 < now["pss"] - before["pss"] < now["rss"] - before["rss"] - 250
     assert tree.peak()["pss"] >= now["pss"] - 0.1 and tree.peak(reset=True)["rss"] >= now["rss"] - 0.1
     assert tree.peak() == {}
+
+
+@pytest.mark.skipif(not Path("/proc/self/smaps_rollup").exists(), reason="needs Linux's /proc/<pid>/smaps_rollup")
+def test_tree_peak_reads_pss_in_full_only_when_shared_pages_move_and_follows_private_memory_between(tmp_path):
+    """Between full readings TreePeak takes a process's PSS as its anonymous RSS now plus its file-backed PSS at the
+    last full reading: 200 MiB of private memory allocated and freed move the PSS sum by 200 MiB without a full
+    reading, and the estimate is the kernel's PSS; a 100 MiB file mapped and read (file-backed pages) calls for a
+    full reading; ``refresh = 0`` reads in full every time."""
+    import mmap
+
+    import psutil
+
+    from fedspear.runtime.memory import TreePeak
+
+    def true_pss() -> float:  # MiB, the kernel's reading of this process (the tree of a test process is itself)
+        return psutil.Process().memory_full_info().pss / 2**20
+
+    tree = TreePeak(refresh=3600)
+    base = tree.sample()
+    assert tree.full_readings == 1 and base["processes"] == 1
+    own = bytearray(b"\2" * (200 * 2**20))  # written: resident, private
+    grown = tree.sample()
+    truth = true_pss()
+    assert tree.full_readings == 1
+    assert 200 - 20 < grown["pss"] - base["pss"] < 200 + 20
+    assert abs(grown["pss"] - truth) < 10
+    del own
+    shrunk = tree.sample()
+    assert tree.full_readings == 1 and abs(shrunk["pss"] - base["pss"]) < 20
+
+    blob = tmp_path / "weights.bin"
+    blob.write_bytes(b"\1" * (100 * 2**20))
+    with open(blob, "rb") as fh:
+        mapped = mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_READ)
+        try:
+            assert sum(mapped[i] for i in range(0, len(mapped), 4096)) == 100 * 2**20 // 4096
+            read = tree.sample()
+            truth = true_pss()
+            assert tree.full_readings == 2  # its file-backed pages moved by 100 MiB
+            assert 100 - 20 < read["pss"] - shrunk["pss"] < 100 + 20 and abs(read["pss"] - truth) < 10
+        finally:
+            mapped.close()
+
+    every = TreePeak(refresh=0)
+    every.sample()
+    every.sample()
+    assert every.full_readings == 2
 
 
 def test_decode_is_timed_step_by_step_without_the_prefill():

@@ -1,5 +1,6 @@
-"""Run a command; sample its process tree's summed RSS / PSS / USS every 0.5 s (psutil, as
-``fedspear.runtime.memory.TreePeak`` does inside a run); print the peaks (MiB) as JSON and write them with the series.
+"""Run a command; sample its process tree's summed RSS / PSS / USS every 0.5 s (psutil; each sample reads every
+process's PSS in full, which ``fedspear.runtime.memory.TreePeak`` does more rarely inside a run); print the peaks
+(MiB) as JSON and write them with the series.
 
     python docs/results/memory/tree_peak.py OUT.json COMMAND [ARG ...]
 

@@ -142,28 +142,49 @@ class TreePeak:
     simulation), sampled every ``interval`` seconds in a daemon thread: the largest **sum over the tree** of each
     process's RSS and of its PSS (Linux's proportional set size: a page ``n`` processes map counts ``1/n`` in each,
     so the sum is the memory the tree occupies; the RSS sum counts a shared page, such as a memory-mapped model copy
-    read by the server and the client actor, once per process). MiB. ``psutil`` reads ``/proc/<pid>/smaps_rollup``.
+    read by the server and the client actor, once per process). MiB.
+
+    A sample reads each process's RSS and its file-backed and shared-memory part (``/proc/<pid>/statm`` through
+    psutil's ``memory_info``: microseconds). PSS needs ``/proc/<pid>/smaps_rollup`` (``memory_full_info``), for which
+    the kernel walks the process's page tables: ≈ 25 ms for a client actor holding SmolLM2-135M, ≈ 60 ms for a
+    simulation's whole tree, of CPU taken at the server's priority from the client actor, which Ray runs at nice 15
+    (docs/performance.md measures what that cost a round). So the tree's PSS is read in full only when a process
+    has appeared, when a process's file-backed or shared pages moved by more than ``SHARED_MOVE`` bytes since the
+    last full reading (a model mapped or dropped, which also changes the other processes' shares of those pages), and
+    every ``refresh`` seconds. In between, a process's PSS is its anonymous RSS now plus its file-backed and shared
+    PSS at the last full reading — exact where its anonymous pages are its own, as in every process Ray or fedspear
+    starts (started by exec, not as a forked copy), and where nothing else has mapped or dropped more than
+    ``SHARED_MOVE`` of the pages it shares.
 
     ``peak(reset=True)`` returns ``{"rss": …, "pss": …}`` since the last reset (or the start) and starts afresh;
     empty before the first sample (or where psutil cannot read memory). A sample misses what lives shorter than
-    ``interval`` (0.5 s by default): a peak between two samples is not seen.
+    ``interval`` (0.5 s by default): a peak between two samples is not seen. ``full_readings`` counts the samples
+    that read every PSS.
 
     Use as a context manager or ``start()`` / ``stop()``.
     """
 
-    def __init__(self, interval: float = 0.5, pid: int | None = None):
+    SHARED_MOVE = 8 * 2**20  # bytes of a process's file-backed + shared-memory RSS that call for a full reading
+
+    def __init__(self, interval: float = 0.5, pid: int | None = None, refresh: float = 10.0):
         import threading
 
         self.interval = interval
+        self.refresh = refresh
         self.pid = os.getpid() if pid is None else pid
+        self.full_readings = 0
         self._lock = threading.Lock()
         self._peak: dict[str, float] = {}
+        self._shared_pss: dict[int, tuple[int, int | None]] = {}  # pid → file + shmem (RSS, PSS), last full read
+        self._last_full = float("-inf")
         self._done = threading.Event()
         self._thread: threading.Thread | None = None
 
     def sample(self) -> dict[str, float]:
         """One reading of the tree: ``{"rss", "pss", "processes"}`` summed over the processes that could be read
         (MiB), folded into the peak."""
+        import time
+
         import psutil
 
         try:
@@ -171,21 +192,46 @@ class TreePeak:
             procs = [root, *root.children(recursive=True)]
         except psutil.Error:
             return {}
-        rss = pss = 0
-        seen = 0
+        infos = {}
         for proc in procs:
             try:
-                info = proc.memory_full_info()
+                infos[proc.pid] = (proc, proc.memory_info())
             except psutil.Error:  # gone, or not ours to read
                 continue
+        now = time.monotonic()
+        if (now - self._last_full >= self.refresh
+                or any(pid not in self._shared_pss or abs(info.shared - self._shared_pss[pid][0]) > self.SHARED_MOVE
+                       for pid, (_, info) in infos.items())):
+            self._full_reading(infos)
+            self._last_full = now
+        rss = pss = 0
+        for pid, (_, info) in infos.items():
             rss += info.rss
-            pss += getattr(info, "pss", info.rss)
-            seen += 1
-        now = {"rss": rss / 2**20, "pss": pss / 2**20, "processes": seen}
+            shared = self._shared_pss.get(pid, (0, None))[1]
+            pss += info.rss if shared is None else info.rss - info.shared + shared
+        reading = {"rss": rss / 2**20, "pss": pss / 2**20, "processes": len(infos)}
         with self._lock:
             for key in ("rss", "pss"):
-                self._peak[key] = max(self._peak.get(key, 0.0), now[key])
-        return now
+                self._peak[key] = max(self._peak.get(key, 0.0), reading[key])
+        return reading
+
+    def _full_reading(self, infos: dict) -> None:
+        """Read every process's PSS (``smaps_rollup``); ``infos`` (pid → (process, memory_info)) takes the same
+        reading's RSS. A process whose PSS cannot be read counts its RSS."""
+        import psutil
+
+        self.full_readings += 1
+        shared_pss = {}
+        for pid, (proc, _) in list(infos.items()):
+            try:
+                full = proc.memory_full_info()
+            except psutil.Error:
+                del infos[pid]
+                continue
+            infos[pid] = (proc, full)
+            pss = getattr(full, "pss", None)
+            shared_pss[pid] = (full.shared, None if pss is None else pss - (full.rss - full.shared))
+        self._shared_pss = shared_pss
 
     def peak(self, reset: bool = False) -> dict[str, float]:
         """The largest sums seen (MiB, rounded to 1); with ``reset`` the next peak starts from the next sample."""

@@ -360,6 +360,44 @@ def test_tree_peak_reads_pss_in_full_only_when_shared_pages_move_and_follows_pri
     assert every.full_readings == 2
 
 
+def test_tree_peak_leaves_out_a_process_it_cannot_read_and_counts_rss_where_there_is_no_pss(monkeypatch):
+    """A process whose full reading fails (not ours) is left out of the sums without calling for a full reading at
+    every sample; where psutil gives no PSS and no ``shared`` field (not Linux), the PSS sum is the RSS sum and full
+    readings come only every ``refresh`` seconds."""
+    import collections
+    import subprocess
+    import sys
+
+    import psutil
+
+    from fedspear.runtime.memory import TreePeak
+
+    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    real_full = psutil.Process.memory_full_info
+
+    def refuse_child(self):
+        if self.pid == child.pid:
+            raise psutil.AccessDenied(self.pid)
+        return real_full(self)
+
+    try:
+        monkeypatch.setattr(psutil.Process, "memory_full_info", refuse_child)
+        tree = TreePeak(refresh=3600)
+        first, second = tree.sample(), tree.sample()
+        assert tree.full_readings == 1 and first["processes"] == second["processes"] == 1
+
+        Mem = collections.namedtuple("Mem", "rss vms")  # psutil's fields on a system without statm's shared
+        monkeypatch.setattr(psutil.Process, "memory_info", lambda self: Mem(100 * 2**20, 200 * 2**20))
+        monkeypatch.setattr(psutil.Process, "memory_full_info", lambda self: Mem(100 * 2**20, 200 * 2**20))
+        bare = TreePeak(refresh=3600)
+        readings = [bare.sample() for _ in range(3)]
+        assert bare.full_readings == 1
+        assert all(r["pss"] == r["rss"] == 100 * r["processes"] for r in readings) and readings[0]["processes"] == 2
+    finally:
+        child.kill()
+        child.wait()
+
+
 def test_decode_is_timed_step_by_step_without_the_prefill():
     """generate calls the step clock once per new token, after that token's forward: ``new`` times, so the decode
     rate spans ``new − 1`` steps and no prefill; a 1-token decode has no step to time."""

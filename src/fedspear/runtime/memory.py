@@ -175,7 +175,7 @@ class TreePeak:
         self.full_readings = 0
         self._lock = threading.Lock()
         self._peak: dict[str, float] = {}
-        self._shared_pss: dict[int, tuple[int, int | None]] = {}  # pid → file + shmem (RSS, PSS), last full read
+        self._shared_pss: dict[int, tuple[int, int | None] | None] = {}  # pid → file+shmem (RSS, PSS) at last full
         self._last_full = float("-inf")
         self._done = threading.Event()
         self._thread: threading.Thread | None = None
@@ -199,25 +199,40 @@ class TreePeak:
             except psutil.Error:  # gone, or not ours to read
                 continue
         now = time.monotonic()
-        if (now - self._last_full >= self.refresh
-                or any(pid not in self._shared_pss or abs(info.shared - self._shared_pss[pid][0]) > self.SHARED_MOVE
-                       for pid, (_, info) in infos.items())):
+        if self._full_reading_due(infos, now):
             self._full_reading(infos)
             self._last_full = now
-        rss = pss = 0
+        rss = pss = seen = 0
         for pid, (_, info) in infos.items():
+            if pid in self._shared_pss and self._shared_pss[pid] is None:
+                continue  # its full reading failed: left out until the next one
             rss += info.rss
+            seen += 1
             shared = self._shared_pss.get(pid, (0, None))[1]
-            pss += info.rss if shared is None else info.rss - info.shared + shared
-        reading = {"rss": rss / 2**20, "pss": pss / 2**20, "processes": len(infos)}
+            pss += info.rss if shared is None else info.rss - info.shared + shared  # None: no PSS here (not Linux)
+        reading = {"rss": rss / 2**20, "pss": pss / 2**20, "processes": seen}
         with self._lock:
             for key in ("rss", "pss"):
                 self._peak[key] = max(self._peak.get(key, 0.0), reading[key])
         return reading
 
+    def _full_reading_due(self, infos: dict, now: float) -> bool:
+        """Whether this sample reads every PSS: ``refresh`` seconds have passed since the last full reading, or a
+        process was not there then, or a process's file-backed + shared RSS moved by more than ``SHARED_MOVE``."""
+        if now - self._last_full >= self.refresh:
+            return True
+        for pid, (_, info) in infos.items():
+            if pid not in self._shared_pss:
+                return True
+            last = self._shared_pss[pid]
+            if last is not None and abs(getattr(info, "shared", 0) - last[0]) > self.SHARED_MOVE:
+                return True
+        return False
+
     def _full_reading(self, infos: dict) -> None:
         """Read every process's PSS (``smaps_rollup``); ``infos`` (pid → (process, memory_info)) takes the same
-        reading's RSS. A process whose PSS cannot be read counts its RSS."""
+        reading's RSS. A process whose PSS cannot be read counts its RSS; one that cannot be read in full at all is
+        left out until the next full reading."""
         import psutil
 
         self.full_readings += 1
@@ -225,12 +240,14 @@ class TreePeak:
         for pid, (proc, _) in list(infos.items()):
             try:
                 full = proc.memory_full_info()
-            except psutil.Error:
-                del infos[pid]
+            except psutil.Error:  # gone, or not ours to read
+                shared_pss[pid] = None
                 continue
             infos[pid] = (proc, full)
             pss = getattr(full, "pss", None)
-            shared_pss[pid] = (full.shared, None if pss is None else pss - (full.rss - full.shared))
+            shared = getattr(full, "shared", None)  # Linux's statm; psutil has no such field elsewhere
+            shared_pss[pid] = ((0, None) if pss is None or shared is None
+                               else (shared, pss - (full.rss - shared)))
         self._shared_pss = shared_pss
 
     def peak(self, reset: bool = False) -> dict[str, float]:

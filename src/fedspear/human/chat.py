@@ -73,12 +73,15 @@ class ChatModel:
         if adapter is not None:
             from peft import PeftModel
 
+            from ..runtime.lora_sum import fuse_lora_sums
+
             folder = Path(adapter)
             weights = folder / "adapter_model.safetensors"
             if not weights.is_file():
                 raise FileNotFoundError(f"no peft adapter at {folder} (expected {weights.name})")
             base = PeftModel.from_pretrained(base, folder)
-            bf16_lora_inputs(base)  # as add_lora does: over bf16 weights the input is not cast to fp32 and back
+            bf16_lora_inputs(base)  # as add_lora does: over bf16 weights the input is not cast to fp32 and back,
+            fuse_lora_sums(base)  # and each update is added in its lora_B product
             version += f"+{folder.name}@{hashlib.sha256(weights.read_bytes()).hexdigest()[:12]}"
         base.eval()
         return cls(base, tokenizer, dtype_used, version, max_new_tokens)

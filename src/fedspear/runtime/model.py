@@ -270,9 +270,12 @@ def add_lora(base, settings: LoraSettings, seed: int = 0):
 
     Over bf16 base weights (a GPU's ``bf16_parameters``, the CPU's bf16 linear weights) every forward runs under bf16
     autocast (``autocast``), and the adapter's input is left in its dtype (``bf16_lora_inputs``): peft would cast it
-    to the fp32 adapter's dtype, only for autocast to cast it back to bf16 for ``lora_A``.
+    to the fp32 adapter's dtype, only for autocast to cast it back to bf16 for ``lora_A``. Each adapted projection
+    adds its update in its ``lora_B`` product (``fuse_lora_sums``).
     """
     from peft import LoraConfig, get_peft_model
+
+    from .lora_sum import fuse_lora_sums
 
     layers = None
     if settings.last_layers:
@@ -293,6 +296,7 @@ def add_lora(base, settings: LoraSettings, seed: int = 0):
         torch.manual_seed(seed)
         model = get_peft_model(base, config)
     bf16_lora_inputs(model)
+    fuse_lora_sums(model)
     if model_device(base).type != "cpu":  # a GPU's nn.Dropout is one fused kernel: FastDropout would add passes
         return model
     for module in model.modules():  # peft's nn.Dropout → FastDropout: p to 2⁻¹⁷, masks ≈ 3× cheaper on CPU

@@ -4,8 +4,8 @@ What is compiled: the LoRA model's forward as the local training runs it — eve
 ``training.completion_logits`` while gradients are recorded and the model is in training mode (SPEAR's micro-steps
 and every baseline's), with ``torch.compile(model)``; AOTAutograd compiles the backward with it, so the adapter's
 gradients come from the compiled graph too. On a GPU inductor is expected to fuse what runs element by element
-between the matmuls — each adapted projection's dropout, ``lora_B(…) · scaling`` and ``result + …`` (three passes
-over ``[tokens, out_features]``, forward and backward), RMSNorm and SiLU — the memory traffic a bf16 training step
+between the matmuls — each adapted projection's dropout (its update's scaling and sum are already inside the
+``lora_B`` product in eager mode: ``runtime.lora_sum``), RMSNorm and SiLU — the memory traffic a bf16 training step
 pays besides its matmuls (issue 40 item 2: "fused or compiled LoRA dropout if it gains"). The reference and "old"
 log-probabilities (GRPO's and RLTF-SD's), OPSD's teacher and the margin pass run without gradients and stay eager,
 so where fused kernels round differently (bf16 on a GPU) a ratio against them is 1, and a KL 0, at the start of a

@@ -79,8 +79,9 @@ def test_add_lora_makes_every_adapted_projection_a_fused_sum_with_peft_state():
 
 def test_in_fp32_the_fused_sum_gives_peft_logits_loss_and_gradients():
     """fp32, dropout 0.1 drawn from the same seed: logits, loss and every adapter gradient equal peft's within fp32
-    rounding (s = α/r = 2 is exact, so only the products' summation order may differ); per adapted projection one
-    ``addmm`` replaces peft's ``mm`` and ``add``, and its ``mul`` by s is over ``[tokens, r]``."""
+    rounding (the products' summation order and where the dropout's 1 / (1 − p) multiplies differ); per adapted
+    projection one ``addmm`` replaces peft's ``mm`` and ``add``, its ``mul`` by s is over ``[tokens, r]``, and in
+    training the dropout's scaling joins it there (one ``mul`` fewer, the same draws)."""
     model = _lora_model()
     fused = _run(model, "fp32")
     ops = _Ops()
@@ -94,6 +95,16 @@ def test_in_fp32_the_fused_sum_gives_peft_logits_loss_and_gradients():
     assert ops.counts.get("addmm", 0) - peft_ops.counts.get("addmm", 0) == 14
     assert peft_ops.counts["mm"] - ops.counts["mm"] == 14 and peft_ops.counts["add"] - ops.counts["add"] == 14
     assert ops.counts["mul"] == peft_ops.counts["mul"]  # s scales the [tokens, r] product instead of [tokens, out]
+    model.train()  # with dropout, FastDropout's 1 / (1 − p) joins s on the [tokens, r] product: 14 passes fewer
+    counted = {}
+    for cls in (FusedSumLinear, PeftLinear):
+        _set_class(model, cls)
+        counted[cls] = _Ops()
+        with counted[cls], torch.no_grad():
+            model(input_ids=IDS)
+    assert counted[PeftLinear].counts["mul"] - counted[FusedSumLinear].counts["mul"] == 14
+    assert counted[PeftLinear].counts["random_"] == counted[FusedSumLinear].counts["random_"] == 14
+    model.eval()
     torch.testing.assert_close(fused[0], peft[0], rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(fused[1], peft[1], rtol=1e-6, atol=1e-6)
     assert fused[2].keys() == peft[2].keys() and len(fused[2]) == 28

@@ -62,7 +62,9 @@ def test_zero_dropped_is_fast_dropout_without_its_scaling():
         zeroed.sum().backward()
         assert torch.equal(x.grad, (zeroed != 0).to(dtype))
     x = torch.randn(5)
-    assert drop.eval().zero_dropped(x) == (x, 1.0) and FastDropout(0.0).train().zero_dropped(x) == (x, 1.0)
+    for off in (drop.eval(), FastDropout(0.0).train()):
+        out, factor = off.zero_dropped(x)
+        assert out is x and factor == 1.0
 
 
 def test_bf16_norm_outputs_keep_the_forward_bitwise_and_gradients_to_bf16_rounding():
@@ -105,12 +107,16 @@ def test_bf16_norm_outputs_keep_the_forward_bitwise_and_gradients_to_bf16_roundi
     hooked = run(hooked_model, "bf16")
     assert torch.equal(hooked[0], plain[0]) and torch.equal(hooked[1], plain[1])
     assert not torch.equal(hooked[0], fp32[0])  # bf16 is in use
-    rel = {run: [((g[n] - fp32[2][n]).norm() / fp32[2][n].norm()).item() for n in fp32[2]]
-           for run, g in (("hooked", hooked[2]), ("plain", plain[2]))}
+    rel = {way: [((g[n] - fp32[2][n]).norm() / fp32[2][n].norm()).item() for n in fp32[2]]
+           for way, g in (("hooked", hooked[2]), ("plain", plain[2]))}
     assert len(rel["hooked"]) == 2 * 7 * TINY_LAYERS  # A and B of seven projections per layer
     assert sum(rel["hooked"]) <= 1.5 * sum(rel["plain"]) and max(rel["hooked"]) <= 0.05, rel
+    assert any(not torch.equal(hooked[2][n], plain[2][n]) for n in plain[2])  # the sums did run in bf16
     norm = hooked_model.base_model.model.model.layers[0].input_layernorm
-    assert norm(torch.randn(2, norm.weight.shape[0])).dtype == torch.float32  # outside autocast: as it was
+    hidden = torch.randn(2, norm.weight.shape[0])
+    with autocast("bf16"):
+        assert norm(hidden).dtype == torch.bfloat16
+    assert norm(hidden).dtype == torch.float32  # outside autocast: as it was
     other, _ = tiny_model(seed=0)
     other.config.model_type = "gemma"
     assert bf16_norm_outputs(other) == 0

@@ -277,6 +277,8 @@ def bf16_norm_outputs(base) -> int:
 
 
 def _bf16_output(module, args, output):
+    """``bf16_norm_outputs``' forward hook: a bf16 copy of an fp32 ``output`` under bf16 autocast, else None (the
+    output as it is)."""
     if (output.dtype == torch.float32 and torch.is_autocast_enabled(output.device.type)
             and torch.get_autocast_dtype(output.device.type) == torch.bfloat16):
         return output.to(torch.bfloat16)

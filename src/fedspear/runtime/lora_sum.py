@@ -18,9 +18,9 @@ class FusedSumLinear(Linear):
     ``[tokens, out_features]`` gradient element by element either (s scales the ``[tokens, r]`` product). The CPU's
     dropout (``cpu_kernels.FastDropout``) only zeroes the dropped inputs here, and its ``1 / (1 − p)`` joins s on the
     ``[tokens, r]`` product too: one pass fewer over the ``[tokens, in_features]`` input forward and over its
-    gradient backward, with the same masks. B is the
-    argument bf16 autocast casts, so its bf16 copy is cached for an autocast block (a generate call) as for peft's
-    ``lora_B(h)``; a cast of ``Bᵀ``, a view, would be made at every call (decode 12% slower at batch 8).
+    gradient backward, with the same masks (in bf16 the product then rounds differently). B is the argument bf16
+    autocast casts, so its bf16 copy is cached for an autocast block (a generate call) as for peft's ``lora_B(h)``; a
+    cast of ``Bᵀ``, a view, would be made at every call (decode 12% slower at batch 8).
 
     The value is the same sum: in fp32 equal within rounding; in bf16 the update is
     rounded once, inside the sum, where peft rounds the product and then the sum (as close to an fp32 forward,

@@ -90,9 +90,9 @@ def load_base(model: str = DEFAULT_MODEL, dtype: str = "auto", device: str = "au
     """Load tokenizer and base causal LM on ``device`` for computing in ``dtype`` (bf16 under autocast, see
     ``autocast``). On the CPU the weights are loaded in fp32, then the linear weights stored in bf16, the decoder
     layers' norms made to hand their linears bf16 (``bf16_norm_outputs``) and the decode attention kernel installed
-    (CPU speed patches, ``cpu_kernels``; in fp32 on an Intel CPU the linear weights are
-    held by column instead, ``store_linear_weights_by_column``); with bf16, the converted weights are views of
-    one shared file that every process maps (``shared_copy``), not each process's own memory. On a CUDA GPU with
+    (CPU speed patches, ``cpu_kernels``; in fp32 on an Intel CPU the linear weights are held by column instead,
+    ``store_linear_weights_by_column``); with bf16, the converted weights are views of one shared file that every
+    process maps (``shared_copy``), not each process's own memory. On a CUDA GPU with
     bf16, every parameter is held in bf16 (``bf16_parameters``; buffers such as RoPE frequencies stay as they are),
     as transformers loads a model with ``dtype=torch.bfloat16``: no fp32 copy is read on each step (a decode step at
     batch 32 of Qwen2.5-1.5B: 145 ms with fp32 weights under autocast, 54 ms with bf16 weights, issue 40's probe);

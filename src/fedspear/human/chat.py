@@ -66,22 +66,19 @@ class ChatModel:
             fedspear.runtime.model_zoo.ModelError: the model cannot be loaded.
             FileNotFoundError: no adapter at ``adapter``.
         """
-        from ..runtime.model import bf16_lora_inputs, load_base
+        from ..runtime.model import load_base, ready_lora_layers
 
         base, tokenizer, dtype_used = load_base(model, dtype)
         version = model
         if adapter is not None:
             from peft import PeftModel
 
-            from ..runtime.lora_sum import fuse_lora_sums
-
             folder = Path(adapter)
             weights = folder / "adapter_model.safetensors"
             if not weights.is_file():
                 raise FileNotFoundError(f"no peft adapter at {folder} (expected {weights.name})")
             base = PeftModel.from_pretrained(base, folder)
-            bf16_lora_inputs(base)  # as add_lora does: over bf16 weights the input is not cast to fp32 and back,
-            fuse_lora_sums(base)  # and each update is added in its lora_B product
+            ready_lora_layers(base)  # as add_lora does: bf16 inputs as they come, updates summed in lora_B
             version += f"+{folder.name}@{hashlib.sha256(weights.read_bytes()).hexdigest()[:12]}"
         base.eval()
         return cls(base, tokenizer, dtype_used, version, max_new_tokens)

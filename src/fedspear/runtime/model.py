@@ -275,11 +275,9 @@ def add_lora(base, settings: LoraSettings, seed: int = 0):
     Over bf16 base weights (a GPU's ``bf16_parameters``, the CPU's bf16 linear weights) every forward runs under bf16
     autocast (``autocast``), and the adapter's input is left in its dtype (``bf16_lora_inputs``): peft would cast it
     to the fp32 adapter's dtype, only for autocast to cast it back to bf16 for ``lora_A``. Each adapted projection
-    adds its update in its ``lora_B`` product (``fuse_lora_sums``).
+    adds its update in its ``lora_B`` product (``fuse_lora_sums``); both by ``ready_lora_layers``.
     """
     from peft import LoraConfig, get_peft_model
-
-    from .lora_sum import fuse_lora_sums
 
     layers = None
     if settings.last_layers:
@@ -299,8 +297,7 @@ def add_lora(base, settings: LoraSettings, seed: int = 0):
     with torch.random.fork_rng():
         torch.manual_seed(seed)
         model = get_peft_model(base, config)
-    bf16_lora_inputs(model)
-    fuse_lora_sums(model)
+    ready_lora_layers(model)
     if model_device(base).type != "cpu":  # a GPU's nn.Dropout is one fused kernel: FastDropout would add passes
         return model
     for module in model.modules():  # peft's nn.Dropout → FastDropout: p to 2⁻¹⁷, masks ≈ 3× cheaper on CPU
@@ -310,6 +307,16 @@ def add_lora(base, settings: LoraSettings, seed: int = 0):
                 if isinstance(drop, torch.nn.Dropout):
                     drops[key] = FastDropout(drop.p)
     return model
+
+
+def ready_lora_layers(model) -> None:
+    """What every LoRA model fedspear builds or loads gets (``add_lora``, the chat's adapter loading): over bf16
+    weights the adapter takes its input as it comes (``bf16_lora_inputs``), and each adapted projection adds its
+    update in its ``lora_B`` product (``lora_sum.fuse_lora_sums``)."""
+    from .lora_sum import fuse_lora_sums
+
+    bf16_lora_inputs(model)
+    fuse_lora_sums(model)
 
 
 def bf16_lora_inputs(model) -> int:

@@ -67,6 +67,38 @@ def test_zero_dropped_is_fast_dropout_without_its_scaling():
         assert out is x and factor == 1.0
 
 
+def test_zero_where_dropped_is_masked_fill_bit_for_bit_and_keeps_only_the_mask():
+    """``zero_where_dropped(x, kept)`` equals ``x.masked_fill(~kept, 0)`` bit for bit — NaN, ±inf and −0 kept where
+    kept, +0 where dropped — for bf16, fp16, fp32 and fp64, on a transposed (non-contiguous) ``x`` and with a
+    non-contiguous incoming gradient; its gradient equals ``masked_fill``'s; what autograd keeps for the backward is
+    the bool mask alone (1 byte per element, as for ``masked_fill``)."""
+    from fedspear.runtime.cpu_kernels import zero_where_dropped
+
+    torch.manual_seed(0)
+    for dtype in (torch.bfloat16, torch.float16, torch.float32, torch.float64):
+        base = torch.randn(41, 37).to(dtype)
+        base[0, :4] = torch.tensor([float("nan"), float("inf"), -float("inf"), -0.0], dtype=dtype)
+        kept = torch.rand(37, 41) >= 0.3
+        kept[:4, 0] = True  # the specials pass where kept …
+        kept[4:8, 0] = False  # … and are cleared where dropped
+        base[0, 4:8] = torch.tensor([float("nan"), float("inf"), -0.0, -3.0], dtype=dtype)
+        grad = torch.randn(41, 37).to(dtype).t()  # non-contiguous, like x
+        outs, grads = [], []
+        for way in ("masked_fill", "ours"):
+            x = base.t().detach().requires_grad_()
+            saved = []
+            with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
+                y = x.masked_fill(~kept, 0) if way == "masked_fill" else zero_where_dropped(x, kept)
+            y.backward(grad)
+            outs.append(y.detach().contiguous().view(torch.uint8))  # the bytes: NaN payloads and signs compared too
+            grads.append(x.grad.contiguous().view(torch.uint8))
+            if way == "ours":
+                assert [(t.dtype, t.shape) for t in saved] == [(torch.bool, kept.shape)]
+        assert torch.equal(outs[0], outs[1]) and torch.equal(grads[0], grads[1]), dtype
+        assert (zero_where_dropped(base.t(), kept)[~kept] == 0).all()
+        assert not torch.signbit(zero_where_dropped(base.t(), kept)[~kept]).any()  # +0, as masked_fill writes
+
+
 def test_bf16_norm_outputs_keep_the_forward_bitwise_and_gradients_to_bf16_rounding():
     """bf16 linear weights under bf16 autocast, with and without the norms' bf16 outputs (``bf16_norm_outputs``):
     eval logits and the training loss (dropout 0.1, the same seed) are bitwise the same; against an fp32 model the

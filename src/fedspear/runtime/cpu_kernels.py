@@ -293,10 +293,11 @@ class FastDropout(torch.nn.Module):
     ``p_eff = cut / 2¹⁶`` (|p_eff − p| ≤ 2⁻¹⁷, e.g. 0.1000061 for 0.1), and kept elements are scaled by
     ``1 / (1 − p_eff)`` so the expectation is exactly the input, as with ``nn.Dropout``. peft draws one mask per adapted
     projection (210 for SmolLM2-135M); on this project's CPU that costs 4.3 ns per element with ``bernoulli_`` and
-    1.3 ns here (docs/performance.md). Draws come from torch's default generator, so ``torch.manual_seed`` and
-    gradient checkpointing's RNG replay apply. Traced by torch.compile (``runtime.compiled_training``) it is
-    ``torch.nn.functional.dropout`` at ``p_eff``: ``random_`` would break the graph, and a compiled graph fuses its
-    own masks.
+    1.3 ns here (docs/performance.md); the mask is applied by ``zero_where_dropped`` (an integer product on the
+    values' bits, 2–3× faster than ``masked_fill`` each way, bit for bit the same). Draws come from torch's default
+    generator, so ``torch.manual_seed`` and gradient checkpointing's RNG replay apply. Traced by torch.compile
+    (``runtime.compiled_training``) it is ``torch.nn.functional.dropout`` at ``p_eff``: ``random_`` would break the
+    graph, and a compiled graph fuses its own masks.
 
     Raises:
         ValueError: ``p`` is not in [0, 1).
@@ -320,7 +321,7 @@ class FastDropout(torch.nn.Module):
             return x
         if torch.compiler.is_compiling():  # Tensor.random_ breaks a compiled graph (runtime.compiled_training)
             return torch.nn.functional.dropout(x, self.p_eff, training=True)
-        return (x * self.scale).masked_fill_(self._dropped(x), 0)
+        return zero_where_dropped(x * self.scale, self._kept(x))
 
     def zero_dropped(self, x: torch.Tensor) -> tuple[torch.Tensor, float]:
         """The dropout without its scaling: ``(x with the dropped elements zeroed, factor)``, where ``factor · zeroed``
@@ -332,14 +333,54 @@ class FastDropout(torch.nn.Module):
             return x, 1.0
         if torch.compiler.is_compiling():
             return torch.nn.functional.dropout(x, self.p_eff, training=True), 1.0
-        return x.masked_fill(self._dropped(x), 0), self.scale
+        return zero_where_dropped(x, self._kept(x)), self.scale
 
-    def _dropped(self, x: torch.Tensor) -> torch.Tensor:
-        """Where ``x``'s elements are dropped: a bool tensor of ``x``'s shape, from fresh draws."""
+    def _kept(self, x: torch.Tensor) -> torch.Tensor:
+        """Where ``x``'s elements are kept: a bool tensor of ``x``'s shape, from fresh draws."""
         n = x.numel()
         words = torch.empty((n + 3) // 4, dtype=torch.int64, device=x.device).random_(-(2**63), 2**63 - 1)
         draws = words.view(torch.int16)[:n].view(x.shape)  # uniform on −2¹⁵ … 2¹⁵ − 1
-        return draws < self.cut - 2 ** (self.BITS - 1)
+        return draws >= self.cut - 2 ** (self.BITS - 1)
 
     def extra_repr(self) -> str:
         return f"p={self.p}"
+
+
+_SAME_WIDTH_INT = {2: torch.int16, 4: torch.int32, 8: torch.int64}  # element size in bytes → integer dtype
+
+
+class _ZeroWhereDropped(torch.autograd.Function):
+    """``x`` with its dropped elements set to +0, forward and backward by an integer product on the values' bits
+    (``zero_where_dropped``)."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, kept: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(kept)
+        return _times_kept(x, kept)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        (kept,) = ctx.saved_tensors
+        return _times_kept(grad, kept), None
+
+
+def _times_kept(x: torch.Tensor, kept: torch.Tensor) -> torch.Tensor:
+    """The bits of ``x`` times the 0/1 ``kept`` as integers of ``x``'s width: each element's bits or all zero bits."""
+    as_int = _SAME_WIDTH_INT[x.element_size()]
+    return (x.view(as_int) * kept).view(x.dtype)
+
+
+def zero_where_dropped(x: torch.Tensor, kept: torch.Tensor) -> torch.Tensor:
+    """``x.masked_fill(~kept, 0)`` bit for bit, forward and backward (the gradient is zeroed where dropped), for
+    floating ``x`` of 2, 4 or 8 bytes per element: each value's bits multiplied as an integer by the bool ``kept``
+    (same shape) instead. On the CPU that is 2–3× faster than ``masked_fill`` each way (bf16 and fp32, 1,760 × 576
+    elements; ``masked_fill``'s bf16 backward is slower still), and it keeps what the backward needs as
+    ``masked_fill`` does: the 1-byte mask. Kept elements pass unchanged (NaN, ±inf, −0 included), dropped ones are
+    +0. Any other element size falls back to ``masked_fill``.
+
+    Measured (SmolLM2-135M, bf16, a training step of 8 × 220 tokens, ``intel-f6m167-avx512bf16``, docs/performance.md):
+    1.06× the tokens/s of ``masked_fill`` (fp32: 1.035×).
+    """
+    if x.element_size() not in _SAME_WIDTH_INT:
+        return x.masked_fill(~kept, 0)
+    return _ZeroWhereDropped.apply(x, kept)

@@ -285,49 +285,6 @@ def _bf16_output(module, args, output):
     return None
 
 
-ROPE_HOOKED = "fedspear_bf16_training_rope"  # marks a rotary embedding whose output hook is installed
-
-
-def bf16_training_rope(base) -> int:
-    """Under bf16 autocast and in training mode, let the model's rotary embeddings return their ``cos`` and ``sin``
-    in bf16 (a forward hook on each, installed once); returns how many carry it. Only for the model types in
-    ``BF16_NORM_MODEL_TYPES``, whose attention applies them to the q and k projections' outputs and nothing else
-    (transformers' ``apply_rotary_pos_emb``); 0 for any other. Call on the CPU's bf16 path (``load_base``).
-
-    Why: the rotary embedding computes ``cos`` and ``sin`` in fp32 and returns them in the dtype of the hidden
-    states, fp32 on the CPU's bf16 path. Multiplied with the bf16 q and k, they make fp32 copies of both, which SDPA
-    under autocast casts back to bf16; the backward pays the same casts and fp32 products again. A GPU's bf16 model
-    (every parameter bf16, ``bf16_parameters``) gets its ``cos`` and ``sin`` in bf16 from transformers anyway. In
-    bf16 the rotation rounds three times (``cos``/``sin``, each product, the sum) where fp32 rounded once, so the
-    training forward and the adapter's gradients change by bf16 rounding (against an fp32 model about as far off
-    as without the hook: ``tests/test_cpu_kernels.py``). Evaluation and generation (eval mode) are left bitwise as
-    they were: the hook passes ``cos`` and ``sin`` as they are outside training mode or outside bf16 autocast.
-
-    Measured on ``intel-f6m167-avx512bf16`` (SmolLM2-135M, bf16, a training step of 8 × 220 tokens, the two ways
-    alternating in one process, 21 pairs in three runs; docs/performance.md): 1.028× the tokens/s (median ratio).
-    """
-    if getattr(getattr(base, "config", None), "model_type", None) not in BF16_NORM_MODEL_TYPES:
-        return 0
-    done = 0
-    for module in base.modules():
-        if type(module).__name__.endswith("RotaryEmbedding"):
-            if not getattr(module, ROPE_HOOKED, False):
-                module.register_forward_hook(_bf16_in_training)
-                setattr(module, ROPE_HOOKED, True)
-            done += 1
-    return done
-
-
-def _bf16_in_training(module, args, output):
-    """``bf16_training_rope``'s forward hook: bf16 copies of the fp32 ``(cos, sin)`` in training mode under bf16
-    autocast, else None (the output as it is)."""
-    cos, sin = output
-    if (module.training and cos.dtype == torch.float32 and torch.is_autocast_enabled(cos.device.type)
-            and torch.get_autocast_dtype(cos.device.type) == torch.bfloat16):
-        return cos.to(torch.bfloat16), sin.to(torch.bfloat16)
-    return None
-
-
 class FastDropout(torch.nn.Module):
     """Inverted dropout for LoRA inputs whose keep-mask is cut from 64-bit random words instead of ``bernoulli_``.
 

@@ -20,7 +20,6 @@ from .cpu_kernels import (
     FastDropout,
     bf16_norm_outputs,
     bf16_supported,
-    bf16_training_rope,
     column_weights_pay,
     store_linear_weights_bf16,
     store_linear_weights_by_column,
@@ -90,8 +89,7 @@ class LoraSettings:
 def load_base(model: str = DEFAULT_MODEL, dtype: str = "auto", device: str = "auto"):
     """Load tokenizer and base causal LM on ``device`` for computing in ``dtype`` (bf16 under autocast, see
     ``autocast``). On the CPU the weights are loaded in fp32, then the linear weights stored in bf16, the decoder
-    layers' norms made to hand their linears bf16 (``bf16_norm_outputs``), training's rotary embedding made bf16
-    (``bf16_training_rope``) and the decode attention kernel installed
+    layers' norms made to hand their linears bf16 (``bf16_norm_outputs``) and the decode attention kernel installed
     (CPU speed patches, ``cpu_kernels``; in fp32 on an Intel CPU the linear weights are held by column instead,
     ``store_linear_weights_by_column``); with bf16, the converted weights are views of one shared file that every
     process maps (``shared_copy``), not each process's own memory. On a CUDA GPU with
@@ -138,7 +136,6 @@ def load_base(model: str = DEFAULT_MODEL, dtype: str = "auto", device: str = "au
         store_linear_weights_by_column(base)  # fp32 on an Intel CPU: faster decode-sized products
     if dtype_used == "bf16":
         bf16_norm_outputs(base)  # one cast per norm instead of one per linear that reads it
-        bf16_training_rope(base)  # training rotates q and k in bf16, as a GPU's bf16 model does
     use_decode_attention(base)
     return base, tokenizer, dtype_used
 

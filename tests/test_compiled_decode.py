@@ -8,7 +8,9 @@ counted by a backend that wraps ``aot_eager`` (``Counting``): each graph it is h
 of a graph one compiled decode step. The ``gpu`` test runs the default, inductor with CUDA graphs, on a CUDA GPU.
 
 **Tolerance.** fp32: greedy answers equal eager ones exactly (the compiled step runs the same operations; inductor
-on this CPU gave the same 12 of 12 answers too, checked by hand). bf16: inductor fuses operations and rounds
+on this CPU gave the same 12 of 12 answers too, checked by hand; on an AMD CPU eager decode steps multiply through
+oneDNN, ``cpu_kernels.DecodeLinear``, and a traced graph through ``nn.Linear``'s product: the same to fp32 rounding,
+and the same answers on the Zen 4 CPU). bf16: inductor fuses operations and rounds
 intermediate values differently, and a greedy answer may then part from eager's where two tokens' logits are within
 rounding of each other; from there on the answers differ. So in bf16 the test checks that every token of a compiled
 answer is a greedy choice of the *eager* model up to ``BF16_TOLERANCE``: with the answer so far as context

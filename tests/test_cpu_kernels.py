@@ -1,5 +1,5 @@
 """The CPU speed patches change nothing but speed and rounding: dropout's distribution, bf16 weights, weights held
-by column, decode attention (fedspear.runtime.cpu_kernels)."""
+by column, decode steps' linears through oneDNN, decode attention (fedspear.runtime.cpu_kernels)."""
 
 from __future__ import annotations
 
@@ -271,6 +271,131 @@ def test_column_weights_are_taken_for_fp32_on_an_intel_cpu_only(monkeypatch):
         base = load_base("tiny-random", "fp32", "cpu")[0]
         up = base.model.layers[0].mlp.up_proj.weight
         assert up.t().is_contiguous() is pays and up.is_contiguous() is not pays
+
+
+needs_onednn = pytest.mark.skipif(not (torch.backends.mkldnn.is_available()
+                                        and hasattr(torch.ops.mkldnn, "_linear_pointwise")),
+                                   reason="this torch has no oneDNN linear (torch.ops.mkldnn._linear_pointwise)")
+
+
+def _linear_ops(fn) -> list[str]:
+    """The ATen ops ``fn()`` dispatches, by name."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Seen(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.ops: list[str] = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.ops.append(str(func.overloadpacket))
+            return func(*args, **(kwargs or {}))
+
+    with Seen() as seen:
+        fn()
+    return seen.ops
+
+
+@needs_onednn
+def test_decode_linear_multiplies_decode_steps_through_onednn_and_nothing_else():
+    """``DecodeLinear``: an fp32 ``[B, 1, in]`` input without autograd goes to oneDNN's linear (bias included) and
+    equals ``F.linear`` to fp32 rounding; with autograd, with several positions per row, in bf16 or as a 2-D input it
+    is ``nn.Linear``'s own forward, bitwise."""
+    from fedspear.runtime.cpu_kernels import DecodeLinear
+
+    torch.manual_seed(0)
+    layer = torch.nn.Linear(96, 160)
+    layer.__class__ = DecodeLinear
+    step = torch.randn(5, 1, 96)
+    with torch.no_grad():
+        got = layer(step)
+        ops = _linear_ops(lambda: layer(step))
+    assert "mkldnn._linear_pointwise" in ops and "addmm" not in ops and "mm" not in ops, ops
+    assert got.shape == (5, 1, 160)
+    torch.testing.assert_close(got, torch.nn.functional.linear(step, layer.weight, layer.bias), atol=1e-5, rtol=1e-5)
+    layer.bias = None
+    with torch.no_grad():
+        torch.testing.assert_close(layer(step), torch.nn.functional.linear(step, layer.weight), atol=1e-5, rtol=1e-5)
+    others = [(torch.randn(5, 1, 96, requires_grad=True), True), (torch.randn(5, 3, 96), False),
+              (torch.randn(5, 96), False)]
+    for x, grad in others:
+        with torch.set_grad_enabled(grad):
+            ops = _linear_ops(lambda x=x: layer(x))
+            assert "mkldnn._linear_pointwise" not in ops, (x.shape, grad, ops)
+            assert torch.equal(layer(x), torch.nn.functional.linear(x, layer.weight))
+    half = layer.to(torch.bfloat16)
+    with torch.no_grad():
+        x = step.to(torch.bfloat16)
+        assert "mkldnn._linear_pointwise" not in _linear_ops(lambda: half(x))
+
+
+@needs_onednn
+def test_onednn_decode_keeps_greedy_answers_and_leaves_training_and_scoring_alone(arc_items):
+    """A model whose linears are ``DecodeLinear``s (the tiny model with a non-zero adapter, fp32, the adapter merged
+    for generation as fp32 generation does and not): the same greedy answers and first-step logits (to fp32
+    rounding) as with ``nn.Linear``; its log-probabilities and LoRA gradients are ``nn.Linear``'s bitwise."""
+    from fedspear.runtime.cpu_kernels import DecodeLinear, use_onednn_decode
+    from fedspear.runtime.generation import generate
+    from fedspear.runtime.model import LoraSettings, add_lora, tiny_model
+
+    models = []
+    for onednn in (False, True):
+        base, tok = tiny_model(seed=0)
+        if onednn:
+            linears = [m for m in base.modules() if isinstance(m, torch.nn.Linear)]
+            assert use_onednn_decode(base) == len(linears) > 0
+            assert all(type(m) is DecodeLinear for m in linears) and use_onednn_decode(base) == 0
+        model = add_lora(base, LoraSettings(r=4, alpha=8, dropout=0.0), seed=0)
+        torch.manual_seed(1)
+        models.append(with_random_adapter(model, 0.3))
+    contexts = [render(tok, [arc_challenge.prompt(ex)]) for ex in arc_items]
+    for merge in (True, False):
+        runs = []
+        for model in models:
+            first: list = []
+            runs.append((generate(model, tok, contexts, max_new_tokens=8, do_sample=False, merge=merge,
+                                  first_logits=first), torch.stack(first)))
+        assert runs[0][0] == runs[1][0], merge
+        torch.testing.assert_close(runs[0][1], runs[1][1], atol=1e-5, rtol=1e-5)
+    ids = torch.randint(0, len(tok), (3, 17))
+    out = []
+    for model in models:
+        model.train()
+        logits = model(input_ids=ids).logits  # [3, 17, V]
+        logits.log_softmax(-1)[..., 0].mean().backward()
+        grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+        model.zero_grad(set_to_none=True)
+        model.eval()
+        with torch.no_grad():
+            scored = model(input_ids=ids).logits.log_softmax(-1)
+        out.append((logits.detach(), grads, scored))
+    assert torch.equal(out[0][0], out[1][0]) and torch.equal(out[0][2], out[1][2])
+    assert out[0][1].keys() == out[1][1].keys() and len(out[0][1]) > 0
+    assert all(torch.equal(out[0][1][n], out[1][1][n]) for n in out[0][1])
+
+
+def test_onednn_decode_is_taken_for_fp32_on_an_amd_cpu_only(monkeypatch):
+    """``onednn_decode_pays`` says yes for fp32 on an AMD CPU (with oneDNN's linear in torch, ``ONEDNN_DECODE``
+    on) and nowhere else; ``load_base`` makes the linears ``DecodeLinear``s exactly when it says yes."""
+    import fedspear.runtime.cpu_kernels as kernels
+    import fedspear.runtime.model as model_module
+    from fedspear.runtime.model import load_base
+
+    has = torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
+    for vendor, dtype, device, pays in (("AuthenticAMD", "fp32", "cpu", has), ("AuthenticAMD", "bf16", "cpu", False),
+                                        ("GenuineIntel", "fp32", "cpu", False), (None, "fp32", "cpu", False),
+                                        ("AuthenticAMD", "fp32", "cuda", False)):
+        monkeypatch.setattr(kernels, "cpu_vendor", lambda v=vendor: v)
+        assert kernels.onednn_decode_pays(dtype, device) is pays, (vendor, dtype, device)
+    monkeypatch.setattr(kernels, "ONEDNN_DECODE", False)
+    assert kernels.onednn_decode_pays("fp32", "cpu") is False
+    monkeypatch.undo()
+    for pays in (True, False):
+        monkeypatch.setattr(model_module, "column_weights_pay", lambda dtype_used: False)
+        monkeypatch.setattr(model_module, "onednn_decode_pays", lambda dtype_used, p=pays: p)
+        base = load_base("tiny-random", "fp32", "cpu")[0]
+        kinds = {type(m) for m in base.modules() if isinstance(m, torch.nn.Linear)}
+        assert kinds == ({kernels.DecodeLinear} if pays else {torch.nn.Linear}), kinds
 
 
 def test_decode_attention_is_sdpa_in_fp32_for_one_query_row():

@@ -285,6 +285,53 @@ def _bf16_output(module, args, output):
     return None
 
 
+ONEDNN_DECODE = True  # fp32 decode steps' linears through oneDNN on AMD CPUs (onednn_decode_pays); False: never
+
+
+def onednn_decode_pays(dtype_used: str, device_type: str = "cpu") -> bool:
+    """Whether ``load_base`` routes decode steps' linears through oneDNN (:func:`use_onednn_decode`): fp32 on an AMD
+    CPU, the kind where it was measured to pay, when this torch has oneDNN's linear (``torch.ops.mkldnn``).
+
+    On a 2-core AMD EPYC Zen 4 (``zen4-avx512bf16``; torch 2.13, MKL and oneDNN 3.12 as its CPU wheel ships them), an
+    fp32 ``F.linear`` of 8 rows — a decode step at batch 8 — ran through MKL at 6–13 GB/s of weights read, against
+    the machine's 35 GB/s: 1,536 × 576 in 338–495 µs, SmolLM2's 49,152-row LM head in 17.9 ms; oneDNN's linear took
+    285 µs and 7.8 ms for the same weights, unpacked (docs/performance.md). bf16 linears already run on oneDNN;
+    Intel CPUs hold fp32 weights by column instead (:func:`column_weights_pay`), where MKL is the fast one.
+    """
+    return (ONEDNN_DECODE and device_type == "cpu" and dtype_used == "fp32" and cpu_vendor() == "AuthenticAMD"
+            and torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise"))
+
+
+class DecodeLinear(torch.nn.Linear):
+    """``nn.Linear`` whose decode steps multiply through oneDNN: an fp32 CPU input of one position per row
+    (``[B, 1, in]``) without autograd goes to ``torch.ops.mkldnn._linear_pointwise`` (the weight as it is, unpacked),
+    everything else — prefill, training, log-probabilities, bf16, a compiled graph — to ``nn.Linear.forward``.
+
+    The same product in another summation order: equal to fp32 rounding (a few units in the last place), not bitwise.
+    What sees it: the tokens a decode step picks (greedy answers equal on ARC prompts with SmolLM2, tested on the
+    tiny model); no log-probability or gradient does (they never run one position per row without autograd: the
+    old and reference log-probabilities of GRPO and RLTF-SD are full sequences, like the live forward they are
+    compared with). Shapes: ``[B, 1, in]`` → ``[B, 1, out]``. Upstream: ``aten/src/ATen/native/mkldnn/Linear.cpp``
+    (``mkldnn_linear_pointwise``, torch 2.13), what inductor's CPU backend calls for linears.
+    """
+
+    def forward(self, input: torch.Tensor) -> torch.Tensor:
+        if (not torch.compiler.is_compiling() and input.dim() == 3 and input.shape[1] == 1
+                and input.dtype == torch.float32 and self.weight.dtype == torch.float32
+                and input.device.type == "cpu" and not torch.is_grad_enabled()):
+            return torch.ops.mkldnn._linear_pointwise(input.contiguous(), self.weight, self.bias, "none", [], "")
+        return super().forward(input)
+
+
+def use_onednn_decode(base) -> int:
+    """Make every ``nn.Linear`` of ``base`` a :class:`DecodeLinear` (its class swapped in place: the same module,
+    parameters and state dict); returns how many. Call before ``add_lora`` (the LoRA layers then wrap them)."""
+    layers = [m for m in base.modules() if type(m) is torch.nn.Linear]
+    for layer in layers:
+        layer.__class__ = DecodeLinear
+    return len(layers)
+
+
 class FastDropout(torch.nn.Module):
     """Inverted dropout for LoRA inputs whose keep-mask is cut from 64-bit random words instead of ``bernoulli_``.
 

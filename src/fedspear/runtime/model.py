@@ -21,9 +21,11 @@ from .cpu_kernels import (
     bf16_norm_outputs,
     bf16_supported,
     column_weights_pay,
+    onednn_decode_pays,
     store_linear_weights_bf16,
     store_linear_weights_by_column,
     use_decode_attention,
+    use_onednn_decode,
 )
 from .model_zoo import DEFAULT_MODEL, TINY_MODEL, ModelError, resolve_model_dir
 from .shared_copy import shared_bf16_weights
@@ -91,7 +93,8 @@ def load_base(model: str = DEFAULT_MODEL, dtype: str = "auto", device: str = "au
     ``autocast``). On the CPU the weights are loaded in fp32, then the linear weights stored in bf16, the decoder
     layers' norms made to hand their linears bf16 (``bf16_norm_outputs``) and the decode attention kernel installed
     (CPU speed patches, ``cpu_kernels``; in fp32 on an Intel CPU the linear weights are held by column instead,
-    ``store_linear_weights_by_column``); with bf16, the converted weights are views of one shared file that every
+    ``store_linear_weights_by_column``, and on an AMD CPU decode steps' linears run through oneDNN,
+    ``use_onednn_decode``); with bf16, the converted weights are views of one shared file that every
     process maps (``shared_copy``), not each process's own memory. On a CUDA GPU with
     bf16, every parameter is held in bf16 (``bf16_parameters``; buffers such as RoPE frequencies stay as they are),
     as transformers loads a model with ``dtype=torch.bfloat16``: no fp32 copy is read on each step (a decode step at
@@ -134,6 +137,8 @@ def load_base(model: str = DEFAULT_MODEL, dtype: str = "auto", device: str = "au
         store_linear_weights_bf16(base)
     elif column_weights_pay(dtype_used):
         store_linear_weights_by_column(base)  # fp32 on an Intel CPU: faster decode-sized products
+    elif onednn_decode_pays(dtype_used):
+        use_onednn_decode(base)  # fp32 on an AMD CPU: decode steps' products through oneDNN instead of MKL
     if dtype_used == "bf16":
         bf16_norm_outputs(base)  # one cast per norm instead of one per linear that reads it
     use_decode_attention(base)

@@ -162,8 +162,11 @@ def column_weights_pay(dtype_used: str, device_type: str = "cpu") -> bool:
     On a 2-core Intel Xeon (family 6, model 106; MKL 2024.2, torch 2.13) ``F.linear`` with an fp32 weight held as
     PyTorch stores it (``[out, in]``, row by row) runs 1.2–2.8× slower at 8–32 input rows — a decode step's —
     than with the same weight held by column; at prefill and training sizes (64–1,200 rows, forward and backward)
-    the row layout took 0.83–1.19× the column layout's time. AMD CPUs keep PyTorch's layout until the layout is
-    measured there; bf16 weights go through oneDNN's kernels instead and keep it too.
+    the row layout took 0.83–1.19× the column layout's time. On an AMD EPYC Zen 4 (``zen4-avx512bf16``, 2026-12-07;
+    SmolLM2-135M in fp32, the two layouts alternating in one process, 6 pairs) it did not pay: decode steps at batch
+    8 took 0.93× as many tokens/s by column, 1.07× at batch 32, prefill and training 1.02×, so AMD CPUs keep
+    PyTorch's layout (their decode steps go through oneDNN instead, :func:`onednn_decode_pays`); bf16 weights go
+    through oneDNN's kernels and keep it too.
     """
     return device_type == "cpu" and dtype_used == "fp32" and cpu_vendor() == "GenuineIntel"
 

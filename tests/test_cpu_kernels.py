@@ -298,42 +298,47 @@ def _linear_ops(fn) -> list[str]:
 
 @needs_onednn
 def test_decode_linear_multiplies_decode_steps_through_onednn_and_nothing_else():
-    """``DecodeLinear``: an fp32 ``[B, 1, in]`` input without autograd goes to oneDNN's linear (bias included) and
-    equals ``F.linear`` to fp32 rounding; with autograd, with several positions per row, in bf16 or as a 2-D input it
-    is ``nn.Linear``'s own forward, bitwise."""
-    from fedspear.runtime.cpu_kernels import DecodeLinear
+    """``DecodeLinear``: inside ``decoding()`` an fp32 ``[B, 1, in]`` input without autograd goes to oneDNN's linear
+    (bias included) and equals ``F.linear`` to fp32 rounding; outside it, with autograd, with several positions per
+    row, in bf16 or as a 2-D input it is ``nn.Linear``'s own forward, bitwise."""
+    from fedspear.runtime.cpu_kernels import DecodeLinear, decoding
 
     torch.manual_seed(0)
     layer = torch.nn.Linear(96, 160)
     layer.__class__ = DecodeLinear
     step = torch.randn(5, 1, 96)
-    with torch.no_grad():
+    with torch.no_grad(), decoding():
         got = layer(step)
         ops = _linear_ops(lambda: layer(step))
     assert "mkldnn._linear_pointwise" in ops and "addmm" not in ops and "mm" not in ops, ops
     assert got.shape == (5, 1, 160)
     torch.testing.assert_close(got, torch.nn.functional.linear(step, layer.weight, layer.bias), atol=1e-5, rtol=1e-5)
+    with torch.no_grad():  # outside generation: nn.Linear's product
+        assert "mkldnn._linear_pointwise" not in _linear_ops(lambda: layer(step))
+        assert torch.equal(layer(step), torch.nn.functional.linear(step, layer.weight, layer.bias))
     layer.bias = None
-    with torch.no_grad():
+    with torch.no_grad(), decoding():
         torch.testing.assert_close(layer(step), torch.nn.functional.linear(step, layer.weight), atol=1e-5, rtol=1e-5)
     others = [(torch.randn(5, 1, 96, requires_grad=True), True), (torch.randn(5, 3, 96), False),
               (torch.randn(5, 96), False)]
-    for x, grad in others:
-        with torch.set_grad_enabled(grad):
-            ops = _linear_ops(lambda x=x: layer(x))
-            assert "mkldnn._linear_pointwise" not in ops, (x.shape, grad, ops)
-            assert torch.equal(layer(x), torch.nn.functional.linear(x, layer.weight))
-    half = layer.to(torch.bfloat16)
-    with torch.no_grad():
-        x = step.to(torch.bfloat16)
-        assert "mkldnn._linear_pointwise" not in _linear_ops(lambda: half(x))
+    with decoding():
+        for x, grad in others:
+            with torch.set_grad_enabled(grad):
+                ops = _linear_ops(lambda x=x: layer(x))
+                assert "mkldnn._linear_pointwise" not in ops, (x.shape, grad, ops)
+                assert torch.equal(layer(x), torch.nn.functional.linear(x, layer.weight))
+        half = layer.to(torch.bfloat16)
+        with torch.no_grad():
+            x = step.to(torch.bfloat16)
+            assert "mkldnn._linear_pointwise" not in _linear_ops(lambda: half(x))
 
 
 @needs_onednn
 def test_onednn_decode_keeps_greedy_answers_and_leaves_training_and_scoring_alone(arc_items):
     """A model whose linears are ``DecodeLinear``s (the tiny model with a non-zero adapter, fp32, the adapter merged
     for generation as fp32 generation does and not): the same greedy answers and first-step logits (to fp32
-    rounding) as with ``nn.Linear``; its log-probabilities and LoRA gradients are ``nn.Linear``'s bitwise."""
+    rounding) as with ``nn.Linear``, its decode steps through oneDNN; its log-probabilities and LoRA gradients are
+    ``nn.Linear``'s bitwise, a forward of one position per row outside generation (as the margin pass runs) too."""
     from fedspear.runtime.cpu_kernels import DecodeLinear, use_onednn_decode
     from fedspear.runtime.generation import generate
     from fedspear.runtime.model import LoraSettings, add_lora, tiny_model
@@ -352,6 +357,9 @@ def test_onednn_decode_keeps_greedy_answers_and_leaves_training_and_scoring_alon
     for merge in (True, False):
         runs = []
         for model in models:
+            ops = _linear_ops(lambda m=model: generate(m, tok, contexts[:2], max_new_tokens=3, do_sample=False,
+                                                       merge=merge))
+            assert ("mkldnn._linear_pointwise" in ops) is (model is models[1]), merge
             first: list = []
             runs.append((generate(model, tok, contexts, max_new_tokens=8, do_sample=False, merge=merge,
                                   first_logits=first), torch.stack(first)))
@@ -368,8 +376,9 @@ def test_onednn_decode_keeps_greedy_answers_and_leaves_training_and_scoring_alon
         model.eval()
         with torch.no_grad():
             scored = model(input_ids=ids).logits.log_softmax(-1)
-        out.append((logits.detach(), grads, scored))
-    assert torch.equal(out[0][0], out[1][0]) and torch.equal(out[0][2], out[1][2])
+            one = model(input_ids=ids[:, :1], logits_to_keep=1).logits  # [3, 1, V]: one position per row
+        out.append((logits.detach(), grads, scored, one))
+    assert torch.equal(out[0][0], out[1][0]) and torch.equal(out[0][2], out[1][2]) and torch.equal(out[0][3], out[1][3])
     assert out[0][1].keys() == out[1][1].keys() and len(out[0][1]) > 0
     assert all(torch.equal(out[0][1][n], out[1][1][n]) for n in out[0][1])
 

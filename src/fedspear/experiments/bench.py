@@ -298,6 +298,7 @@ def decode_tokens_per_s(model, tokenizer, dtype_used: str, batch: int, prompt: i
     """
     from transformers import LogitsProcessorList
 
+    from ..runtime.cpu_kernels import decoding
     from ..runtime.generation import merges_adapter
     from ..runtime.model import merged_adapter
 
@@ -318,7 +319,7 @@ def decode_tokens_per_s(model, tokenizer, dtype_used: str, batch: int, prompt: i
             return model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=new,
                                   min_new_tokens=new, do_sample=False, pad_token_id=tokenizer.pad_token_id,
                                   use_cache=True, logits_processor=LogitsProcessorList([clock]), **extra)
-        with autocast(dtype_used, device.type), merged_adapter(model, enabled=merge):
+        with autocast(dtype_used, device.type), merged_adapter(model, enabled=merge), decoding():
             run(call) if run else call()
         rates.append(clock.tokens_per_s(batch))
         if i == 0 and first_call is not None:

@@ -4,6 +4,8 @@ and a cheaper LoRA dropout (docs/performance.md measures each). None changes wha
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import functools
 from pathlib import Path
 
@@ -164,7 +166,7 @@ def column_weights_pay(dtype_used: str, device_type: str = "cpu") -> bool:
     than with the same weight held by column; at prefill and training sizes (64–1,200 rows, forward and backward)
     the row layout took 0.83–1.19× the column layout's time. On an AMD EPYC Zen 4 (``zen4-avx512bf16``, 2026-12-07;
     SmolLM2-135M in fp32, the two layouts alternating in one process, 6 pairs) it did not pay: decode steps at batch
-    8 took 0.93× as many tokens/s by column, 1.07× at batch 32, prefill and training 1.02×, so AMD CPUs keep
+    8 ran at 0.93× the tokens/s by column, at batch 32 at 1.07×, prefill and training at 1.02×, so AMD CPUs keep
     PyTorch's layout (their decode steps go through oneDNN instead, :func:`onednn_decode_pays`); bf16 weights go
     through oneDNN's kernels and keep it too.
     """
@@ -305,21 +307,39 @@ def onednn_decode_pays(dtype_used: str, device_type: str = "cpu") -> bool:
             and torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise"))
 
 
+_DECODING = contextvars.ContextVar("fedspear_decoding", default=False)  # set by ``decoding()``
+
+
+@contextlib.contextmanager
+def decoding():
+    """Within the block (this thread or task), :class:`DecodeLinear` layers multiply inputs of one position per row
+    through oneDNN: ``generation.generate`` and the bench's decode timing wrap their ``generate`` calls in it, so
+    decode steps (and the prefill's last-position logits) take the path and nothing outside generation does."""
+    token = _DECODING.set(True)
+    try:
+        yield
+    finally:
+        _DECODING.reset(token)
+
+
 class DecodeLinear(torch.nn.Linear):
-    """``nn.Linear`` whose decode steps multiply through oneDNN: an fp32 CPU input of one position per row
-    (``[B, 1, in]``) without autograd goes to ``torch.ops.mkldnn._linear_pointwise`` (the weight as it is, unpacked),
-    everything else — prefill, training, log-probabilities, bf16, a compiled graph — to ``nn.Linear.forward``.
+    """``nn.Linear`` whose decode steps multiply through oneDNN: inside :func:`decoding` (generation), an fp32 CPU
+    input of one position per row (``[B, 1, in]``) without autograd goes to ``torch.ops.mkldnn._linear_pointwise``
+    (the weight as it is, unpacked); everything else — prefill, training, log-probabilities and the margin pass
+    (outside generation, even where they run one position per row), bf16, a compiled graph — to
+    ``nn.Linear.forward``.
 
     The same product in another summation order: equal to fp32 rounding (a few units in the last place), not bitwise.
-    What sees it: the tokens a decode step picks (greedy answers equal on ARC prompts with SmolLM2, tested on the
-    tiny model); no log-probability or gradient does (they never run one position per row without autograd: the
-    old and reference log-probabilities of GRPO and RLTF-SD are full sequences, like the live forward they are
-    compared with). Shapes: ``[B, 1, in]`` → ``[B, 1, out]``. Upstream: ``aten/src/ATen/native/mkldnn/Linear.cpp``
+    What sees it: the tokens generation picks and the first-step logits it hands out (``first_logits``: evaluation's
+    log-likelihood scoring); greedy answers to 32 ARC prompts with SmolLM2 were the same (docs/performance.md), and
+    the tiny model's are tested. No training log-probability or gradient does: GRPO's and RLTF-SD's old and reference
+    log-probabilities are computed outside generation, the same way as the live forward they are compared with.
+    Shapes: ``[B, 1, in]`` → ``[B, 1, out]``. Upstream: ``aten/src/ATen/native/mkldnn/Linear.cpp``
     (``mkldnn_linear_pointwise``, torch 2.13), what inductor's CPU backend calls for linears.
     """
 
     def forward(self, input: torch.Tensor) -> torch.Tensor:
-        if (not torch.compiler.is_compiling() and input.dim() == 3 and input.shape[1] == 1
+        if (not torch.compiler.is_compiling() and _DECODING.get() and input.dim() == 3 and input.shape[1] == 1
                 and input.dtype == torch.float32 and self.weight.dtype == torch.float32
                 and input.device.type == "cpu" and not torch.is_grad_enabled()):
             return torch.ops.mkldnn._linear_pointwise(input.contiguous(), self.weight, self.bias, "none", [], "")

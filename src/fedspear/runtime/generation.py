@@ -12,7 +12,7 @@ import torch
 
 from .. import progress
 from .compiled import batch_bucket, cache_bucket, compiled_decode, defers_stop_check
-from .cpu_kernels import preallocated_cache
+from .cpu_kernels import decoding, preallocated_cache
 from .model import autocast, merged_adapter, model_device, pad_id
 from .sampling import OTHER_WARPERS, sampler_for
 
@@ -326,7 +326,7 @@ def generate(
     compiled = compiled_decode(model) is not None
     merge = False if compiled else (merges_adapter(model, dtype_used) if merge is None else merge)
     try:
-        with merged_adapter(model, enabled=merge):
+        with merged_adapter(model, enabled=merge), decoding():
             return _generate_batches(model, tokenizer, contexts, max_new_tokens, dtype_used, do_sample, temperature,
                                      top_p, batch_size, first_logits, first_columns, reuse_prefix, keep, cached)
     finally:

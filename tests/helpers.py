@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from fedspear.worker import Worker
 from fedspear.config import RunConfig
@@ -180,3 +181,18 @@ def with_random_adapter(model, scale: float = 0.5):
             if "lora_B" in name:
                 p.copy_(torch.randn_like(p) * scale)
     return model
+
+
+
+class OpCounts(TorchDispatchMode):
+    """A dispatch mode counting the ATen ops run inside it, by name (``func.overloadpacket.__name__``: ``mm``,
+    ``addmm``, ``_linear_pointwise``, …): ``with OpCounts() as ops: …``, then ``ops.counts``."""
+
+    def __init__(self):
+        super().__init__()
+        self.counts: dict[str, int] = {}
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        name = func.overloadpacket.__name__
+        self.counts[name] = self.counts.get(name, 0) + 1
+        return func(*args, **(kwargs or {}))

@@ -8,8 +8,8 @@ import copy
 import pickle
 
 import torch
+from helpers import OpCounts
 from peft.tuners.lora.layer import Linear as PeftLinear
-from torch.utils._python_dispatch import TorchDispatchMode
 
 from fedspear.runtime.lora_sum import FusedSumLinear, fuse_lora_sums
 from fedspear.runtime.model import LoraSettings, add_lora, autocast, bf16_parameters, merged_adapter, tiny_model
@@ -50,17 +50,6 @@ def _run(model, dtype: str, seed: int = 1):
     return logits, loss.detach().float(), grads
 
 
-class _Ops(TorchDispatchMode):
-    def __init__(self):
-        super().__init__()
-        self.counts: dict[str, int] = {}
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        name = func.overloadpacket.__name__
-        self.counts[name] = self.counts.get(name, 0) + 1
-        return func(*args, **(kwargs or {}))
-
-
 def test_add_lora_makes_every_adapted_projection_a_fused_sum_with_peft_state():
     """2 layers × 7 projections become ``FusedSumLinear`` (a second call finds none left), the state dict's keys are
     peft's, and the model deep-copies and pickles (the class is importable)."""
@@ -84,12 +73,12 @@ def test_in_fp32_the_fused_sum_gives_peft_logits_loss_and_gradients():
     training the dropout's scaling joins it there (one ``mul`` fewer, the same draws)."""
     model = _lora_model()
     fused = _run(model, "fp32")
-    ops = _Ops()
+    ops = OpCounts()
     with ops, torch.no_grad():
         model(input_ids=IDS)
     _set_class(model, PeftLinear)
     peft = _run(model, "fp32")
-    peft_ops = _Ops()
+    peft_ops = OpCounts()
     with peft_ops, torch.no_grad():
         model(input_ids=IDS)
     assert ops.counts.get("addmm", 0) - peft_ops.counts.get("addmm", 0) == 14
@@ -99,7 +88,7 @@ def test_in_fp32_the_fused_sum_gives_peft_logits_loss_and_gradients():
     counted = {}
     for cls in (FusedSumLinear, PeftLinear):
         _set_class(model, cls)
-        counted[cls] = _Ops()
+        counted[cls] = OpCounts()
         with counted[cls], torch.no_grad():
             model(input_ids=IDS)
     assert counted[PeftLinear].counts["mul"] - counted[FusedSumLinear].counts["mul"] == 14

@@ -183,7 +183,6 @@ def with_random_adapter(model, scale: float = 0.5):
     return model
 
 
-
 class OpCounts(TorchDispatchMode):
     """A dispatch mode counting the ATen ops run inside it, by name (``func.overloadpacket.__name__``: ``mm``,
     ``addmm``, ``_linear_pointwise``, …): ``with OpCounts() as ops: …``, then ``ops.counts``."""

@@ -397,6 +397,34 @@ def test_onednn_decode_is_taken_for_fp32_on_an_amd_cpu_only(monkeypatch):
         assert kinds == ({kernels.DecodeLinear} if pays else {torch.nn.Linear}), kinds
 
 
+@needs_onednn
+def test_the_onednn_decode_script_times_both_ways_and_compares_answers(tmp_path):
+    """``scripts/onednn_decode_ab.py`` (its figures are in ``onednn_decode_pays``' docstring) runs on the tiny model,
+    times decode at batch 8 and 32 both ways in alternating pairs, and counts the greedy answers the two ways share
+    (the tiny model's are the same: ``test_onednn_decode_keeps_greedy_answers_and_leaves_training_and_scoring_alone``).
+    """
+    import json
+    import subprocess
+    import sys
+
+    script = Path(__file__).resolve().parents[1] / "scripts" / "onednn_decode_ab.py"
+    out = tmp_path / "ab.json"
+    proc = subprocess.run([sys.executable, str(script), "--model", "tiny-random", "--pairs", "2", "--prompts", "3",
+                           "--json", str(out)], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    figures = json.loads(out.read_text())
+    assert (figures["prompts"], figures["greedy_same"]) == (3, 3)
+    for way in ("mkl", "onednn"):
+        for batch in ("8", "32"):
+            assert len(figures["tokens_per_s"][way][batch]) == 2 and min(figures["tokens_per_s"][way][batch]) > 0
+    for batch in ("8", "32"):  # the summary is the median of the per-pair ratios
+        rates = figures["tokens_per_s"]
+        ratios = [o / m for o, m in zip(rates["onednn"][batch], rates["mkl"][batch])]
+        assert figures["summary"][batch]["ratio"] == pytest.approx(sum(ratios) / 2)
+        assert figures["summary"][batch]["faster"] == sum(r > 1 for r in ratios)
+    assert "greedy answers" in proc.stdout and "oneDNN faster in" in proc.stdout
+
+
 def test_decode_attention_is_sdpa_in_fp32_for_one_query_row():
     """A decode step's attention (one query row, grouped query heads, padding mask) equals transformers' SDPA in
     fp32; under bf16 autocast it stays fp32 (closer to the fp32 result than bf16 SDPA); longer queries are SDPA's."""

@@ -300,7 +300,10 @@ def onednn_decode_pays(dtype_used: str, device_type: str = "cpu") -> bool:
     On a 2-core AMD EPYC Zen 4 (``zen4-avx512bf16``; torch 2.13, MKL and oneDNN 3.12 as its CPU wheel ships them), an
     fp32 ``F.linear`` of 8 rows — a decode step at batch 8 — ran through MKL at 6–13 GB/s of weights read, against
     the machine's 35 GB/s: 1,536 × 576 in 338–495 µs, SmolLM2's 49,152-row LM head in 17.9 ms; oneDNN's linear took
-    285 µs and 7.8 ms for the same weights, unpacked (docs/performance.md). bf16 linears already run on oneDNN;
+    285 µs and 7.8 ms for the same weights, unpacked (docs/performance.md); decode 1.375× / 1.24× the tokens/s at
+    batch 8 / 32, and 1.18× / 1.21× with every library capped to AVX2 (``scripts/onednn_decode_ab.py`` under
+    ``ONEDNN_MAX_CPU_ISA=AVX2 ATEN_CPU_CAPABILITY=avx2 MKL_ENABLE_INSTRUCTIONS=AVX2``: the fp32-only AMD kind's
+    instruction set, emulated). bf16 linears already run on oneDNN;
     Intel CPUs hold fp32 weights by column instead (:func:`column_weights_pay`), where MKL is the fast one.
     """
     return (ONEDNN_DECODE and device_type == "cpu" and dtype_used == "fp32" and cpu_vendor() == "AuthenticAMD"

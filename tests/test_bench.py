@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 
 import numpy as np
@@ -420,6 +421,99 @@ def test_decode_is_timed_step_by_step_without_the_prefill():
         decode_tokens_per_s(model, tok, "fp32", batch=2, prompt=6, new=1)
     with pytest.raises(ValueError, match="cache must be"):
         decode_tokens_per_s(model, tok, "fp32", batch=2, prompt=6, new=4, cache="static")
+
+
+def test_a_timed_decode_runs_on_past_an_end_of_sequence(monkeypatch):
+    """The bench decodes exactly ``new`` tokens per row even where the model would end every answer at once (EOS is
+    the greedy choice at every step), without the min-length logits processor (a run's decode has none)."""
+    from transformers.generation import logits_process
+
+    from fedspear.experiments import bench
+    from fedspear.runtime.model import tiny_model
+
+    model, tok = tiny_model(seed=0)
+    eos = torch.tensor([tok.eos_token_id])
+    model.lm_head.register_forward_hook(lambda module, args, out: out.index_fill(-1, eos, 1e4))
+    ids = torch.randint(100, 1000, (2, 6))
+    with torch.no_grad():  # the hook works: a plain call stops after one token
+        assert model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=4, do_sample=False,
+                              pad_token_id=tok.pad_token_id).shape[1] == 6 + 1
+    clocks, masked = [], []
+
+    class Clock(bench.StepClock):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            clocks.append(self)
+
+    monkeypatch.setattr(bench, "StepClock", Clock)
+    monkeypatch.setattr(logits_process.MinNewTokensLengthLogitsProcessor, "__call__",
+                        lambda self, input_ids, scores: masked.append(1) or scores)
+    runs = bench.decode_tokens_per_s(model, tok, "fp32", batch=2, prompt=6, new=4, repeats=1)
+    assert len(runs) == 1 and [c.marks() for c in clocks] == [4, 4] and masked == []
+
+
+def test_the_step_clock_never_waits_for_a_gpu(monkeypatch):
+    """On a CUDA device the clock records one event per new token and the host never waits for the GPU while
+    ``generate`` runs (it prepares the next step while the GPU computes this one, as in a run): the span is the
+    events' elapsed time, waited for once when it is read. Fake events here (10 ms apart on the GPU's timeline)."""
+    from fedspear.experiments.bench import StepClock
+
+    waits = []
+
+    class Event:
+        recorded = 0
+
+        def __init__(self, enable_timing=False):
+            assert enable_timing
+            self.at_ms = None
+
+        def record(self):
+            self.at_ms = 10.0 * Event.recorded
+            Event.recorded += 1
+
+        def synchronize(self):
+            waits.append("event")
+
+        def elapsed_time(self, end):
+            return end.at_ms - self.at_ms
+
+    monkeypatch.setattr(torch.cuda, "Event", Event)
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda *a, **k: waits.append("device"))
+    clock, scores = StepClock("cuda"), torch.zeros(3, 8)
+    for _ in range(5):
+        assert clock(None, scores) is scores
+    assert waits == [] and clock.times == [] and clock.marks() == 5
+    assert clock.seconds() == pytest.approx(0.040) and clock.tokens_per_s(3) == pytest.approx(3 * 4 / 0.040)
+    assert waits == ["event", "event"]
+    one = StepClock("cuda")
+    one(None, scores)
+    assert np.isnan(one.tokens_per_s(3)) and np.isnan(StepClock("cpu").seconds())
+
+
+@pytest.mark.gpu
+def test_the_step_clock_times_a_gpu_decode_without_waiting(monkeypatch):
+    """A real greedy decode on the GPU (the tiny model): one event per new token, no ``torch.cuda.synchronize``
+    while ``generate`` runs, and a decode span within the call's wall time."""
+    from transformers import LogitsProcessorList
+
+    from fedspear.experiments.bench import StepClock
+    from fedspear.runtime.model import tiny_model
+
+    model, tok = tiny_model(seed=0)
+    model.to("cuda")
+    ids = torch.randint(100, 1000, (3, 7), device="cuda")
+    waits, synchronize = [], torch.cuda.synchronize
+    torch.cuda.synchronize()
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda *a, **k: waits.append(1) or synchronize(*a, **k))
+    clock = StepClock("cuda")
+    start = time.perf_counter()
+    with torch.no_grad():
+        model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=5, min_new_tokens=5,
+                       do_sample=False, pad_token_id=tok.pad_token_id, logits_processor=LogitsProcessorList([clock]))
+    synchronize()
+    wall = time.perf_counter() - start
+    assert waits == [] and clock.marks() == 5 and clock.times == []
+    assert 0 < clock.seconds() <= wall and 0 < clock.tokens_per_s(3) < float("inf")
 
 
 def test_compiled_training_is_timed_when_asked(monkeypatch):

@@ -237,9 +237,16 @@ def prefill_tokens_per_s(model, dtype_used: str, batch: int, length: int, second
 
 class StepClock(LogitsProcessor):
     """A logits processor (for ``generate``'s ``logits_processor`` list) that only notes the time: ``generate``
-    calls it once per new token, right after that token's forward, so ``times[-1] − times[0]`` spans the decode
+    calls it once per new token, right after that token's forward, so the first and last marks span the decode
     steps alone (the prefill's forward comes before the first call; merging an adapter, tokenising and the like come
-    before or after). On a GPU each step is waited for.
+    before or after).
+
+    On the CPU a mark is ``time.perf_counter()`` (``times``). On a CUDA GPU it is a CUDA event recorded on the
+    current stream (``events``), which the host does not wait for: the span is the GPU's own timeline from the
+    first step's logits to the last's, so a step costs what it costs in a run, where the host prepares the next
+    step while the GPU computes this one (``runtime.compiled``, "Stop checks"). Waiting for the GPU at every mark,
+    as this clock did until 2026-12-07, made host and GPU take turns: a step then cost the host's time plus the
+    GPU's (the H200's figures of 2026-11-28 were taken that way).
 
     Subtracting a 1-token ``generate`` call's time from a ``new``-token one (the bench's method until 2026-11-26)
     mixes two prefills of several seconds into a decode of a few seconds: two runs of the same decode differed by up
@@ -247,19 +254,37 @@ class StepClock(LogitsProcessor):
     """
 
     def __init__(self, device: torch.device | str = "cpu"):
-        self.device = device
-        self.times: list[float] = []
+        self.device = torch.device(device)
+        self.times: list[float] = []  # CPU: perf_counter seconds, one per new token
+        self.events: list = []  # CUDA: one torch.cuda.Event per new token
 
     def __call__(self, input_ids, scores):
-        _sync(self.device)
-        self.times.append(time.perf_counter())
+        if self.device.type == "cuda":
+            event = torch.cuda.Event(enable_timing=True)
+            event.record()
+            self.events.append(event)
+        else:
+            self.times.append(time.perf_counter())
         return scores
+
+    def marks(self) -> int:
+        """How many new tokens were marked."""
+        return len(self.events) or len(self.times)
+
+    def seconds(self) -> float:
+        """Seconds from the first mark to the last (on a GPU, waits for the last event); nan with fewer than 2."""
+        if self.marks() < 2:
+            return float("nan")
+        if self.events:
+            self.events[-1].synchronize()
+            return self.events[0].elapsed_time(self.events[-1]) / 1e3
+        return self.times[-1] - self.times[0]
 
     def tokens_per_s(self, batch: int) -> float:
         """Decode tokens per second over the steps after the first (``batch`` rows each); nan with fewer than 2."""
-        if len(self.times) < 2:
+        if self.marks() < 2:
             return float("nan")
-        return batch * (len(self.times) - 1) / max(1e-9, self.times[-1] - self.times[0])
+        return batch * (self.marks() - 1) / max(1e-9, self.seconds())
 
 
 def decode_cache(model, cache: str, capacity: int) -> dict:
@@ -284,7 +309,10 @@ def decode_tokens_per_s(model, tokenizer, dtype_used: str, batch: int, prompt: i
                         first_call: list[float] | None = None, run: Callable | None = None,
                         **generate_kwargs) -> list[float]:
     """Greedy decoding of exactly ``new`` tokens per row after a ``prompt``-token prefill, timed step by step
-    (``StepClock``: the prefill excluded): decode tokens/s of each of ``repeats`` calls after a warm-up call. The
+    (``StepClock``: the prefill excluded): decode tokens/s of each of ``repeats`` calls after a warm-up call. No
+    end-of-sequence token stops a row (``eos_token_id=None``; until 2026-12-07 ``min_new_tokens``, whose logits
+    processor masks the EOS column of every row's scores at every step, work a run's decode does not do: 1.6 ms a
+    step at batch 32 over SmolLM2's vocabulary on the Zen 4 CPU, 4.9 ms over Qwen2.5's). The
     adapter is merged into the weights when fedspear's generation would merge it (``merges_adapter``) unless
     ``merge`` says otherwise; the KV cache is fedspear generation's (``cache = "fedspear"``: written in place,
     ``cpu_kernels.preallocated_cache``) or transformers' default (``"transformers"``); ``generate_kwargs`` go to
@@ -317,7 +345,7 @@ def decode_tokens_per_s(model, tokenizer, dtype_used: str, batch: int, prompt: i
             extra = dict(generate_kwargs, **decode_cache(model, cache, prompt + new),
                          **(per_call() if per_call else {}))
             return model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=new,
-                                  min_new_tokens=new, do_sample=False, pad_token_id=tokenizer.pad_token_id,
+                                  eos_token_id=None, do_sample=False, pad_token_id=tokenizer.pad_token_id,
                                   use_cache=True, logits_processor=LogitsProcessorList([clock]), **extra)
         with autocast(dtype_used, device.type), merged_adapter(model, enabled=merge), decoding():
             run(call) if run else call()

